@@ -1,0 +1,151 @@
+"""Multi-position loss for the k proposal heads (Stern et al. 2018, section 6)."""
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+from fairseq import metrics, utils
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+    label_smoothed_nll_loss,
+)
+
+
+@dataclass
+class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    random_head: bool = field(
+        default=False,
+        metadata={
+            "help": "train one head drawn at random per batch (the paper's variant, "
+            "to save memory) instead of the mean over all heads"
+        },
+    )
+
+
+def shift_target(target, offset, pad):
+    """The target head `offset` is trained on: B x T, token t+offset at t, pad past the end."""
+    if offset == 0:
+        return target
+    shifted = target.new_full(target.shape, pad)
+    shifted[:, :-offset] = target[:, offset:]
+    return shifted
+
+
+def teacher_forced_block(predictions, valid):
+    """Sum and count of accepted block sizes if decoding followed the reference prefix.
+
+    predictions: B x T x k argmax of each head; valid: B x T non-pad mask.
+    Head i at t is accepted while it equals head 1's own prediction at t+i-1
+    (what verification would compare it to) and all heads before it were accepted.
+    """
+    k = predictions.size(-1)
+    accepted = valid.long()
+    run = valid.clone()
+    for i in range(1, k):
+        agree = torch.zeros_like(valid)
+        agree[:, :-i] = predictions[:, :-i, i].eq(predictions[:, i:, 0]) & valid[:, i:]
+        run = run & agree
+        accepted += run.long()
+    return accepted.sum(), valid.sum()
+
+
+@register_criterion("blockwise_cross_entropy", dataclass=BlockwiseCrossEntropyConfig)
+class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+    """Label-smoothed cross-entropy of every head against its shifted target."""
+
+    def __init__(
+        self,
+        task,
+        sentence_avg,
+        label_smoothing,
+        ignore_prefix_size=0,
+        report_accuracy=False,
+        random_head=False,
+    ):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.random_head = random_head
+
+    def forward(self, model, sample, reduce=True):
+        net_output = model(**sample["net_input"])
+        block = net_output[1]["block_features"]  # B x T x k x C
+        target = model.get_targets(sample, net_output)
+        if self.ignore_prefix_size > 0:
+            block = block[:, self.ignore_prefix_size :]
+            target = target[:, self.ignore_prefix_size :]
+        k = block.size(2)
+        heads = range(k)
+        if self.random_head and model.training:
+            heads = [int(torch.randint(k, ()).item())]
+
+        logging_output = {
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample["target"].size(0) if self.sentence_avg else sample["ntokens"],
+        }
+        loss = 0.0
+        predictions = []
+        for i in heads:
+            logits = model.decoder.output_layer(block[:, :, i])
+            lprobs = model.get_normalized_probs((logits, None), log_probs=True)
+            target_i = shift_target(target, i, self.padding_idx)
+            loss_i, nll_i = label_smoothed_nll_loss(
+                lprobs.view(-1, lprobs.size(-1)),
+                target_i.reshape(-1),
+                self.eps,
+                ignore_index=self.padding_idx,
+                reduce=reduce,
+            )
+            loss = loss + loss_i
+            mask = target_i.ne(self.padding_idx)
+            prediction = lprobs.argmax(-1)
+            predictions.append(prediction)
+            h = i + 1
+            logging_output[f"loss_h{h}"] = loss_i.data
+            logging_output[f"ntokens_h{h}"] = utils.item(mask.sum())
+            logging_output[f"n_correct_h{h}"] = utils.item(
+                prediction.eq(target_i).masked_select(mask).sum()
+            )
+            if i == 0:
+                logging_output["nll_loss"] = nll_i.data
+                if self.report_accuracy:
+                    logging_output["n_correct"] = logging_output["n_correct_h1"]
+                    logging_output["total"] = logging_output["ntokens_h1"]
+        loss = loss / len(heads)
+        logging_output["loss"] = loss.data
+        if len(predictions) == k:
+            accepted, positions = teacher_forced_block(
+                torch.stack(predictions, dim=-1), target.ne(self.padding_idx)
+            )
+            logging_output["block_sum"] = utils.item(accepted)
+            logging_output["block_count"] = utils.item(positions)
+        return loss, logging_output["sample_size"], logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+
+        def total(key):
+            return utils.item(sum(log.get(key, 0) for log in logging_outputs))
+
+        heads = sorted(
+            {int(m.group(1)) for log in logging_outputs for key in log
+             if (m := re.fullmatch(r"loss_h(\d+)", key))}
+        )
+        for h in heads:
+            ntokens = total(f"ntokens_h{h}")
+            if ntokens > 0:
+                metrics.log_scalar(
+                    f"loss_h{h}", total(f"loss_h{h}") / ntokens / math.log(2), ntokens, round=3
+                )
+                metrics.log_scalar(
+                    f"acc_h{h}", 100.0 * total(f"n_correct_h{h}") / ntokens, ntokens, round=2
+                )
+        count = total("block_count")
+        if count > 0:
+            metrics.log_scalar("block", total("block_sum") / count, count, round=3)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True

@@ -1,0 +1,270 @@
+"""A Transformer whose decoder carries k proposal heads.
+
+Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
+Models", NeurIPS 2018, section 6: one feed-forward layer (hidden k*d_ffn, output
+k*d_model) after the decoder; slice i plus a residual from the decoder output is
+projected by the decoder's own output projection and predicts the token i steps ahead.
+"""
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from fairseq import utils
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerDecoderBase,
+    TransformerModel,
+    base_architecture,
+    transformer_iwslt_de_en,
+    transformer_wmt_en_de_big,
+)
+
+logger = logging.getLogger(__name__)
+
+# The task owns --block-size (it also means the decoding block size); this is the
+# number of heads a model gets when training does not say.
+DEFAULT_BLOCK_SIZE = 4
+
+
+@dataclass
+class BlockwiseHeadsConfig(FairseqDataclass):
+    head_layout: ChoiceEnum(["base", "paper"]) = field(
+        default="base",
+        metadata={
+            "help": "base: head 1 is the decoder's own output and the extra "
+            "feed-forward layer serves heads 2..k, so a frozen base decodes exactly "
+            "as the original model; paper: all k heads pass through the layer"
+        },
+    )
+    freeze_base: bool = field(
+        default=False,
+        metadata={"help": "train the proposal heads only (the paper's 'frozen')"},
+    )
+
+
+class ProposalHeads(nn.Module):
+    """One feed-forward layer whose output is cut into `num_heads` residual slices."""
+
+    def __init__(self, num_heads, embed_dim, ffn_dim, activation_fn, dropout):
+        super().__init__()
+        self.num_heads = num_heads
+        self.fc1 = nn.Linear(embed_dim, num_heads * ffn_dim)
+        self.fc2 = nn.Linear(num_heads * ffn_dim, num_heads * embed_dim)
+        self.activation_fn = utils.get_activation_fn(activation_fn)
+        self.dropout = nn.Dropout(dropout)
+        nn.init.xavier_uniform_(self.fc1.weight)
+        nn.init.zeros_(self.fc1.bias)
+        # Zero output: every head starts as the base model's next-token head, so a
+        # pretrained base keeps its quality on the first update.
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+
+    def forward(self, x):
+        """x: B x T x C -> B x T x num_heads x C."""
+        h = self.dropout(self.fc2(self.activation_fn(self.fc1(x))))
+        return x.unsqueeze(-2) + h.view(*x.shape[:-1], self.num_heads, x.size(-1))
+
+
+class BlockwiseDecoder(TransformerDecoderBase):
+    """TransformerDecoder with k proposal heads; `extra["block_features"]` is B x T x k x C."""
+
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
+        self.block_size = cfg.block_size
+        self.head_layout = cfg.head_layout
+        num_ffn_heads = self.block_size - (1 if self.head_layout == "base" else 0)
+        self.heads = None
+        if num_ffn_heads > 0:
+            self.heads = ProposalHeads(
+                num_ffn_heads,
+                self.output_embed_dim,
+                cfg.decoder.ffn_embed_dim,
+                cfg.activation_fn,
+                cfg.dropout,
+            )
+
+    def block_features(self, x):
+        """Features of all k heads: B x T x C -> B x T x k x C (head 1 first)."""
+        if self.heads is None:
+            return x.unsqueeze(-2)
+        if self.head_layout == "paper":
+            return self.heads(x)
+        return torch.cat([x.unsqueeze(-2), self.heads(x)], dim=-2)
+
+    def head1_features(self, x):
+        """Features of the next-token head alone: B x T x C -> B x T x C."""
+        if self.head_layout == "base":
+            return x
+        return self.block_features(x)[..., 0, :]
+
+    def forward(
+        self,
+        prev_output_tokens,
+        encoder_out=None,
+        incremental_state=None,
+        features_only=False,
+        full_context_alignment=False,
+        alignment_layer=None,
+        alignment_heads=None,
+        src_lengths=None,
+        return_all_hiddens=False,
+    ):
+        x, extra = self.extract_features(
+            prev_output_tokens,
+            encoder_out=encoder_out,
+            incremental_state=incremental_state,
+            full_context_alignment=full_context_alignment,
+            alignment_layer=alignment_layer,
+            alignment_heads=alignment_heads,
+        )
+        if incremental_state is None:
+            # Computed here, not in the criterion, so DDP sees every head used in forward.
+            extra["block_features"] = self.block_features(x)
+            x = extra["block_features"][..., 0, :]
+        else:
+            # fairseq's own step-by-step search only needs head 1.
+            x = self.head1_features(x)
+        if not features_only:
+            x = self.output_layer(x)
+        return x, extra
+
+    def forward_block(self, tokens, positions, encoder_out, incremental_state):
+        """Feed a block of new tokens after the cached prefix (one decoder invocation).
+
+        fairseq's incremental path feeds one token; a block needs explicit positions
+        and a causal mask inside the block. tokens, positions: B x n (position 0 is
+        BOS). Sentences whose cached prefixes differ in length are left-aligned, the
+        gaps hidden by the cache's key padding mask. Returns features B x n x C and
+        the alignment layer's attention B x n x S (mean over heads).
+        """
+        n = tokens.size(1)
+        x = self.embed_scale * self.embed_tokens(tokens)
+        if self.quant_noise is not None:
+            x = self.quant_noise(x)
+        if self.project_in_dim is not None:
+            x = self.project_in_dim(x)
+        if self.embed_positions is not None:
+            x += self.position_table(int(positions.max()) + 1)[positions]
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = self.dropout_module(x).transpose(0, 1)
+
+        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
+        cached = buffer["prev_key"].size(2) if "prev_key" in buffer else 0
+        self_attn_mask = x.new_zeros(n, cached + n)
+        self_attn_mask[:, cached:] = self.buffered_future_mask(x)
+        enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None
+        padding_mask = (
+            encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
+        )
+        attn = None
+        for idx, layer in enumerate(self.layers):
+            alignment = idx == self.num_layers - 1
+            x, layer_attn, _ = layer(
+                x,
+                enc,
+                padding_mask,
+                incremental_state,
+                self_attn_mask=self_attn_mask,
+                need_attn=alignment,
+                need_head_weights=alignment,
+            )
+            if alignment and layer_attn is not None:
+                attn = layer_attn.float().to(x).mean(dim=0)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        x = x.transpose(0, 1)
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        return x, attn
+
+    def position_table(self, size):
+        """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal)."""
+        dummy = torch.full(
+            (1, size), self.padding_idx + 1, dtype=torch.long, device=self.embed_tokens.weight.device
+        )
+        return self.embed_positions(dummy)[0]
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """Give a plain transformer checkpoint freshly initialised heads."""
+        state_dict = super().upgrade_state_dict_named(state_dict, name)
+        if self.heads is None:
+            return state_dict
+        prefix = f"{name}.heads." if name else "heads."
+        added = 0
+        for key, value in self.heads.state_dict().items():
+            if prefix + key not in state_dict:
+                state_dict[prefix + key] = value.clone()
+                added += 1
+        if added:
+            logger.info(f"initialised {self.block_size}-head proposal layer ({prefix}*)")
+        return state_dict
+
+
+@register_model("transformer_blockwise")
+class BlockwiseTransformerModel(TransformerModel):
+    """Transformer with k proposal heads for blockwise parallel decoding."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        gen_parser_from_dataclass(parser, BlockwiseHeadsConfig())
+
+    @classmethod
+    def build_model(cls, args, task):
+        blockwise_base_architecture(args)
+        if args.block_size < 1:
+            raise ValueError(f"--block-size must be at least 1 (got {args.block_size})")
+        model = super().build_model(args, task)
+        if args.freeze_base:
+            for name, param in model.named_parameters():
+                if not name.startswith("decoder.heads."):
+                    param.requires_grad_(False)
+        return model
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        return BlockwiseDecoder(
+            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
+        )
+
+
+def _blockwise_defaults(args):
+    args.block_size = getattr(args, "block_size", None) or DEFAULT_BLOCK_SIZE
+    for name, value in vars(BlockwiseHeadsConfig()).items():
+        if not name.startswith("_") and getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+@register_model_architecture("transformer_blockwise", "transformer_blockwise")
+def blockwise_base_architecture(args):
+    """The paper's transformer_base setting."""
+    base_architecture(args)
+    _blockwise_defaults(args)
+
+
+@register_model_architecture("transformer_blockwise", "transformer_blockwise_iwslt_de_en")
+def blockwise_iwslt_de_en(args):
+    transformer_iwslt_de_en(args)
+    _blockwise_defaults(args)
+
+
+@register_model_architecture("transformer_blockwise", "transformer_blockwise_wmt_en_de_big")
+def blockwise_wmt_en_de_big(args):
+    transformer_wmt_en_de_big(args)
+    _blockwise_defaults(args)
+
+
+@register_model_architecture("transformer_blockwise", "transformer_blockwise_small")
+def blockwise_small(args):
+    """3 layers of width 256: trains on a 2-core CPU (about 1,000 target words/s)."""
+    for side in ("encoder", "decoder"):
+        setattr(args, f"{side}_embed_dim", getattr(args, f"{side}_embed_dim", 256))
+        setattr(args, f"{side}_ffn_embed_dim", getattr(args, f"{side}_ffn_embed_dim", 1024))
+        setattr(args, f"{side}_layers", getattr(args, f"{side}_layers", 3))
+        setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
+    args.dropout = getattr(args, "dropout", 0.1)
+    blockwise_base_architecture(args)

@@ -1,0 +1,164 @@
+"""Tests for the data-preparation scripts (offline, small data only)."""
+import os
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import detok  # noqa: E402
+import get_bible  # noqa: E402
+import prepare_data  # noqa: E402
+
+SUBJ = [("der Mann", "the man"), ("die Frau", "the woman"), ("das Kind", "the child"),
+        ("der König", "the king"), ("die Stadt", "the city")]
+VERB = [("sieht", "sees"), ("liebt", "loves"), ("ruft", "calls"), ("findet", "finds")]
+OBJ = [("den Hund", "the dog"), ("das Haus", "the house"), ("den Brief", "the letter")]
+
+
+def toy_pairs(n, offset=0):
+    """n German/English sentence pairs built from a small grammar."""
+    pairs = []
+    for i in range(offset, offset + n):
+        (sd, se), (vd, ve), (od, oe) = (SUBJ[i % 5], VERB[i // 5 % 4],
+                                        OBJ[i // 20 % 3])
+        pairs.append((f"{sd.capitalize()} {vd} {od}, sagt er.",
+                      f"{se.capitalize()} {ve} {oe}, he says."))
+    return pairs
+
+
+def write_corpus(prefix, pairs):
+    """Write PREFIX.de and PREFIX.en."""
+    for i, lang in enumerate(("de", "en")):
+        Path(f"{prefix}.{lang}").write_text(
+            "".join(p[i] + "\n" for p in pairs), encoding="utf-8")
+
+
+def cli_args(tmp_path, out="bin"):
+    """Arguments for prepare_data.main on the corpus under tmp_path."""
+    return ["--src", "de", "--tgt", "en", "--train", str(tmp_path / "train"),
+            "--valid", str(tmp_path / "valid"), "--test", str(tmp_path / "test"),
+            "--out", str(tmp_path / out), "--merges", "50"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A tiny train/valid/test corpus: 60/7/5 pairs."""
+    write_corpus(tmp_path / "train", toy_pairs(60))
+    write_corpus(tmp_path / "valid", toy_pairs(7, offset=3))
+    write_corpus(tmp_path / "test", toy_pairs(5, offset=11))
+    return tmp_path
+
+
+def test_prepare_builds_joined_data_bin(corpus, capsys):
+    from fairseq.data import Dictionary, data_utils
+
+    prepare_data.main(cli_args(corpus))
+    out = corpus / "bin"
+    assert (out / "dict.de.txt").read_bytes() == (out / "dict.en.txt").read_bytes()
+    dictionary = Dictionary.load(str(out / "dict.de.txt"))
+    for split, n in (("train", 60), ("valid", 7), ("test", 5)):
+        for lang in ("de", "en"):
+            stem = str(out / f"{split}.de-en.{lang}")
+            assert os.path.exists(stem + ".bin") and os.path.exists(stem + ".idx")
+            ds = data_utils.load_indexed_dataset(stem, dictionary)
+            assert len(ds) == n
+            assert (out / "text" / f"{split}.bpe.{lang}").exists()
+    assert (out / "bpe.codes").read_text().startswith("#version")
+    assert (out / "raw" / "test.en").read_text() == (corpus / "test.en").read_text()
+
+    # A rerun on unchanged input is skipped; a new setting rebuilds.
+    capsys.readouterr()
+    prepare_data.main(cli_args(corpus))
+    assert "up to date" in capsys.readouterr().out
+    prepare_data.main(cli_args(corpus)[:-1] + ["40"])
+    assert "up to date" not in capsys.readouterr().out
+
+
+def test_missing_file_names_the_file(corpus):
+    os.remove(corpus / "valid.en")
+    with pytest.raises(SystemExit, match=r"not found: .*valid\.en"):
+        prepare_data.main(cli_args(corpus))
+
+
+def test_mismatched_line_counts_name_both_files(corpus):
+    write_corpus(corpus / "test", toy_pairs(5))
+    with open(corpus / "test.en", "a", encoding="utf-8") as f:
+        f.write("One more line.\n")
+    with pytest.raises(SystemExit) as err:
+        prepare_data.main(cli_args(corpus))
+    msg = str(err.value)
+    assert "test.de has 5 lines" in msg and "test.en has 6 lines" in msg
+
+
+def test_empty_corpus_names_the_file(corpus):
+    write_corpus(corpus / "train", [])
+    with pytest.raises(SystemExit, match=r"empty corpus: .*train\.de"):
+        prepare_data.main(cli_args(corpus))
+    assert not (corpus / "bin").exists()
+
+
+@pytest.mark.parametrize("raw, clean", [
+    ("(3:19) Dies aber ist das Gericht.", "Dies aber ist das Gericht."),
+    ("auf daß jeder [nicht verloren gehe, sondern] ewiges Leben habe.",
+     "auf daß jeder nicht verloren gehe, sondern ewiges Leben habe."),
+    ("one golden spoon of ten [shekels], full of incense;",
+     "one golden spoon of ten shekels, full of incense;"),
+    ("gestellt auf ewig. * * *", "gestellt auf ewig."),
+    ("Er\u00adbarmen {und} (Gnade) <hier>", "Erbarmen und Gnade hier"),
+    ("God`s  Spirit \t was  there (3, 4) .", "God's Spirit was there."),
+    ("(*)", ""),
+])
+def test_clean_text(raw, clean):
+    assert get_bible.clean_text(raw) == clean
+
+
+def test_bible_pairs_drops_placeholders_and_psalm_headings(tmp_path):
+    db = tmp_path / "bible.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE bible (bbName TEXT, bNumber INT, cNumber INT, "
+                "vNumber INT, vText TEXT)")
+    con.executemany("INSERT INTO bible VALUES (?, ?, ?, ?, ?)", [
+        ("e", 1, 1, 1, "Im Anfang schuf Gott [die] Himmel."),
+        ("4", 1, 1, 1, "In the beginning God created the heavens."),
+        ("e", 19, 2, 12, "Küsset den Sohn!"),
+        ("4", 19, 2, 12, "Give sincere homage to the Son. Psalm 3 A Psalm by David."),
+        ("e", 19, 3, 1, "(Ein Psalm von David.) Jehova! wie viele sind meiner Bedränger!"),
+        ("4", 19, 3, 1, "Yahweh, how my adversaries have increased!"),
+        ("e", 40, 23, 14, "(*)"),
+        ("4", 40, 23, 14, "But woe to you."),
+        ("e", 44, 8, 37, "(MISSING) [KJV: And Philip said.]"),
+        ("4", 44, 8, 37, "dummy verses inserted by amos"),
+    ])
+    con.commit()
+    con.close()
+    assert list(get_bible.bible_pairs(str(db))) == [
+        (1, "Im Anfang schuf Gott die Himmel.", "In the beginning God created the heavens."),
+        (19, "Küsset den Sohn!", "Give sincere homage to the Son."),
+        (19, "Jehova! wie viele sind meiner Bedränger!",
+         "Yahweh, how my adversaries have increased!"),
+    ]
+
+
+def test_ding_pairs_keeps_whole_example_sentences(tmp_path):
+    path = tmp_path / "trans-de-en" / "usr/share/trans/de-en"
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        "# Version :: test\n"
+        "Abhilfe {f} | Das ist nicht einfach. | Hilf mir!; Hilf uns! :: "
+        "remedy | That is not easy. | Help me!; Help us!\n"
+        "Aal {m} [cook.] :: eel\n", encoding="utf-8")
+    assert list(get_bible.ding_pairs(str(tmp_path))) == [
+        ("Das ist nicht einfach.", "That is not easy."), ("Hilf mir!", "Help me!")]
+
+
+def test_detokenize_removes_bpe_and_moses_tokens():
+    assert detok.remove_bpe("Lich@@ t und Fin@@") == "Licht und Fin"
+    assert detok.detokenize("Und Gott sprach : Es wer@@ de Licht !", "de") == \
+        "Und Gott sprach: Es werde Licht!"
+    assert detok.detokenize("God 's Spirit , \" he said . \"", "en") == \
+        "God's Spirit, \"he said.\""
+    assert detok.main(["--lang", "en", os.devnull]) is None

@@ -1,0 +1,204 @@
+"""Blockwise decoding gives exactly fairseq's SequenceGenerator(beam_size=1) output."""
+import math
+
+import pytest
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+
+from conftest import build, random_sample
+
+from fairseq_bpd.generator import BlockwiseGenerator, accept, roll_back, verify
+
+GREEDY_OPTIONS = ("max_len_a", "max_len_b", "min_len", "normalize_scores", "len_penalty",
+                  "unk_penalty", "temperature", "no_repeat_ngram_size")
+
+
+def greedy(model, task, sample, **options):
+    options.setdefault("max_len_b", 20)  # random models rarely emit EOS
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=1, **options)
+    return [h[0] for h in generator.generate([model], sample)]
+
+
+class Oracle(BlockwiseGenerator):
+    """Proposes from known greedy outputs: `agree` picks the true continuation or a wrong one."""
+
+    def __init__(self, *args, references, agree, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.references, self.agree = references, agree
+
+    def propose(self, features, sentence, tokens, length):
+        rows = []
+        for s, t in zip(sentence.tolist(), length.tolist()):
+            ref = self.references[s].tolist() + [self.eos] * self.block_size
+            row = ref[t : t + self.block_size - 1]
+            if not (self.agree(s) if callable(self.agree) else self.agree):
+                row = [4 + (x - 3) % 20 for x in row]  # never the reference, never a special
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.long).view(len(rows), self.block_size - 1)
+
+
+def blockwise(model, task, sample, block_size, generator_class=BlockwiseGenerator, **options):
+    options.setdefault("max_len_b", 20)
+    generator = generator_class(model, task.target_dictionary, block_size=block_size, **options)
+    generator.report_at_exit.detach()
+    return generator.generate([model], sample), generator
+
+
+def assert_same(expected, hypos):
+    assert len(expected) == len(hypos)
+    for e, h in zip(expected, hypos):
+        h = h[0]
+        assert h["tokens"].tolist() == e["tokens"].tolist()
+        # fairseq keeps float32 running sums and reports their differences: compare the
+        # sums, within 1e-6 relative (an ulp of a sum near 40 is 4e-6).
+        running, expected_running = h["positional_scores"].cumsum(0), e["positional_scores"].cumsum(0)
+        assert torch.allclose(running, expected_running, rtol=1e-6, atol=1e-6)
+        assert math.isclose(float(h["score"]), float(e["score"]), rel_tol=1e-6, abs_tol=1e-6)
+        assert torch.allclose(h["attention"], e["attention"], atol=1e-6)
+
+
+@pytest.mark.parametrize("agree", [True, False])
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_oracle_and_adversarial_heads_give_greedy_output(data_dir, agree, block_size):
+    task, model, _ = build(data_dir, "--block-size", "4")
+    sample = random_sample(task, bsz=6, seed=3)
+    expected = greedy(model, task, sample, max_len_b=12)
+    hypos, generator = blockwise(
+        model, task, sample, block_size, Oracle, max_len_b=12,
+        references=[e["tokens"] for e in expected], agree=agree,
+    )
+    assert_same(expected, hypos)
+    for e, h in zip(expected, hypos):
+        m = len(e["tokens"])
+        if agree:
+            assert h[0]["steps"] <= math.ceil(m / block_size) + 1
+        else:
+            assert h[0]["steps"] == m  # one token per invocation, as greedy
+    if agree:
+        # Every verify pass accepts the whole block until the sentence's end.
+        assert generator.stats.mean_accepted_block() > block_size - 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("bsz", [1, 7])
+def test_random_heads_give_greedy_output(data_dir, seed, bsz):
+    task, model, _ = build(data_dir, "--block-size", "3", seed=seed)
+    sample = random_sample(task, bsz=bsz, seed=seed)
+    assert_same(greedy(model, task, sample), blockwise(model, task, sample, 3)[0])
+
+
+def test_batch_sizes_agree_with_each_other(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=5)
+    sample = random_sample(task, bsz=64, seed=5)
+    together = blockwise(model, task, sample, 4, max_len_b=15)[0]
+    expected = greedy(model, task, sample, max_len_b=15)
+    assert_same(expected, together)
+    for i in (0, 17, 63):
+        one = {"id": sample["id"][i:i + 1], "net_input": {k: v[i:i + 1] for k, v in sample["net_input"].items()}}
+        # A sentence alone has its own (unpadded) source length, hence max_len; compare on it.
+        alone = blockwise(model, task, one, 4, max_len_b=15)[0][0][0]
+        assert alone["tokens"].tolist() == greedy(model, task, one, max_len_b=15)[0]["tokens"].tolist()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_len_b": 3},  # the maximum length falls inside a block
+        {"max_len_a": 0.5, "max_len_b": 2},
+        {"min_len": 6, "max_len_b": 9},
+        {"unk_penalty": -3.0},  # favour <unk>
+        {"len_penalty": 0.6, "normalize_scores": True},
+        {"normalize_scores": False},
+        {"temperature": 0.7},
+        {"no_repeat_ngram_size": 2},
+    ],
+)
+def test_greedy_options_keep_their_meaning(data_dir, options):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=2)
+    sample = random_sample(task, bsz=5, seed=11)
+    expected = greedy(model, task, sample, **options)
+    for agree in (True, False):
+        hypos, _ = blockwise(model, task, sample, 4, Oracle, references=[e["tokens"] for e in expected],
+                             agree=agree, **options)
+        assert_same(expected, hypos)
+    assert_same(expected, blockwise(model, task, sample, 4, **options)[0])
+
+
+def test_eos_inside_a_block_ends_the_sentence(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=5)
+    eos = task.target_dictionary.eos()
+    # A bias on EOS makes this tiny model end sentences after 2 to 20 tokens.
+    model.decoder.output_projection.register_forward_hook(
+        lambda module, inputs, out: out + 0.5 * (torch.arange(out.size(-1)) == eos)
+    )
+    sample = random_sample(task, bsz=8, seed=4)
+    expected = greedy(model, task, sample)
+    assert len({len(e["tokens"]) % 4 for e in expected}) > 2, "EOS should fall at several block offsets"
+    references = [e["tokens"] for e in expected]
+    for agree in (True, False, lambda s: s % 2 == 0):
+        hypos, _ = blockwise(model, task, sample, 4, Oracle, references=references, agree=agree)
+        assert_same(expected, hypos)
+    assert_same(expected, blockwise(model, task, sample, 4)[0])
+
+
+def test_sentences_accepting_different_lengths_share_a_batch(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=7)
+    sample = random_sample(task, bsz=9, seed=7)
+    expected = greedy(model, task, sample)
+    hypos, _ = blockwise(model, task, sample, 4, Oracle, references=[e["tokens"] for e in expected],
+                         agree=lambda s: s % 3 != 1)
+    assert_same(expected, hypos)
+    steps = [h[0]["steps"] for h in hypos]
+    assert steps[1] == len(expected[1]["tokens"]) and steps[0] < len(expected[0]["tokens"])
+
+
+@pytest.mark.parametrize("positions", [[], ["--no-token-positional-embeddings"],
+                                       ["--encoder-learned-pos", "--decoder-learned-pos"]])
+def test_sinusoidal_learned_and_no_positions(data_dir, positions):
+    task, model, _ = build(data_dir, "--block-size", "3", *positions, seed=6)
+    sample = random_sample(task, bsz=4, seed=6)
+    assert_same(greedy(model, task, sample), blockwise(model, task, sample, 3)[0])
+
+
+def test_paper_head_layout(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3", "--head-layout", "paper", seed=7)
+    sample = random_sample(task, bsz=4, seed=7)
+    assert_same(greedy(model, task, sample), blockwise(model, task, sample, 3)[0])
+
+
+def test_block_size_one_is_plain_greedy(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3", seed=8)
+    sample = random_sample(task, bsz=4, seed=8)
+    expected = greedy(model, task, sample)
+    hypos, generator = blockwise(model, task, sample, 1)
+    assert_same(expected, hypos)
+    assert [h[0]["steps"] for h in hypos] == [len(e["tokens"]) for e in expected]
+    assert generator.stats.mean_accepted_block() == 1.0
+
+
+def test_cached_blocks_match_a_full_prefix_pass(data_dir):
+    """Feeding blocks and rolling back a different suffix per sentence equals recomputing."""
+    task, model, _ = build(data_dir, "--block-size", "4", seed=9)
+    decoder, eos = model.decoder, task.target_dictionary.eos()
+    sample = random_sample(task, bsz=3, seed=9)
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    torch.manual_seed(0)
+    prefixes = [[] for _ in range(3)]
+    cached = torch.zeros(3, dtype=torch.long)
+    state = {}
+    for round_, kept in enumerate(([1, 1, 1], [3, 1, 2], [2, 4, 1], [4, 4, 4], [1, 3, 2], [2, 2, 2])):
+        block = torch.randint(4, 28, (3, 4))
+        if round_ == 0:
+            block[:, 0] = eos
+        positions = cached[:, None] + torch.arange(4)
+        features, _ = decoder.forward_block(block, positions, encoder_out, state)
+        for i in range(3):
+            full_input = torch.tensor(prefixes[i] + block[i].tolist())[None]
+            one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
+            full, _ = decoder.extract_features(full_input, one)
+            assert torch.allclose(features[i], full[0, -4:], atol=1e-6)
+        kept = torch.tensor(kept)
+        for i in range(3):
+            prefixes[i] += block[i, : kept[i]].tolist()
+        cached = roll_back(decoder, state, cached, kept, 4)
+        assert cached.tolist() == [len(p) for p in prefixes]
