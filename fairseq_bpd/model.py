@@ -7,6 +7,7 @@ projected by the decoder's own output projection and predicts the token i steps 
 """
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
@@ -42,6 +43,13 @@ class BlockwiseHeadsConfig(FairseqDataclass):
     freeze_base: bool = field(
         default=False,
         metadata={"help": "train the proposal heads only (the paper's 'frozen')"},
+    )
+    head_ffn_dim: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "hidden size per head of the proposal layer (the paper: the "
+            "decoder's ffn size, so k*d_ffn in all); smaller keeps large k cheap"
+        },
     )
 
 
@@ -81,7 +89,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
             self.heads = ProposalHeads(
                 num_ffn_heads,
                 self.output_embed_dim,
-                cfg.decoder.ffn_embed_dim,
+                getattr(cfg, "head_ffn_dim", None) or cfg.decoder.ffn_embed_dim,
                 cfg.activation_fn,
                 cfg.dropout,
             )

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Recipe step 3: k proposal heads on a trained base (scripts/train_base.sh).
+# Usage: scripts/train_heads.sh DATA BASE_CKPT SAVE_DIR K frozen|finetune [fairseq-train flags...]
+# frozen trains the heads alone (--freeze-base); finetune trains heads and base together.
+# Resumes from SAVE_DIR/checkpoint_last.pt when it exists.
+set -euo pipefail
+DATA=$1; BASE=$2; SAVE=$3; K=$4; MODE=$5; shift 5
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+case "$MODE" in
+  frozen) MODE_FLAGS=(--freeze-base --lr 1e-3) ;;
+  finetune) MODE_FLAGS=(--lr 5e-4) ;;
+  *) echo "error: mode must be frozen or finetune, not '$MODE'" >&2; exit 2 ;;
+esac
+[ -f "$BASE" ] || { echo "error: base checkpoint not found: $BASE" >&2; exit 1; }
+exec "$ROOT/.venv/bin/fairseq-train" "$DATA" --user-dir "$ROOT/fairseq_bpd" \
+  --task translation_blockwise --arch transformer_blockwise_small --block-size "$K" --share-all-embeddings \
+  --criterion blockwise_cross_entropy --label-smoothing 0.1 --finetune-from-model "$BASE" \
+  --optimizer adam --adam-betas '(0.9, 0.98)' --lr-scheduler inverse_sqrt \
+  --warmup-updates 200 --warmup-init-lr 1e-7 --clip-norm 1.0 --max-tokens 4096 \
+  --save-dir "$SAVE" --save-interval-updates 250 --keep-interval-updates 1 --no-epoch-checkpoints \
+  --log-format simple --log-interval 50 --seed 1 "${MODE_FLAGS[@]}" "$@"
