@@ -226,6 +226,8 @@ class BlockwiseTransformerModel(TransformerModel):
         blockwise_base_architecture(args)
         if args.block_size < 1:
             raise ValueError(f"--block-size must be at least 1 (got {args.block_size})")
+        if args.freeze_base and args.block_size == 1 and args.head_layout == "base":
+            raise ValueError("--freeze-base with --block-size 1 and --head-layout base leaves nothing to train")
         model = super().build_model(args, task)
         if args.freeze_base:
             for name, param in model.named_parameters():
@@ -241,7 +243,8 @@ class BlockwiseTransformerModel(TransformerModel):
 
 
 def _blockwise_defaults(args):
-    args.block_size = getattr(args, "block_size", None) or DEFAULT_BLOCK_SIZE
+    if getattr(args, "block_size", None) is None:  # not `or`: 0 must reach the check
+        args.block_size = DEFAULT_BLOCK_SIZE
     for name, value in vars(BlockwiseHeadsConfig()).items():
         if not name.startswith("_") and getattr(args, name, None) is None:
             setattr(args, name, value)

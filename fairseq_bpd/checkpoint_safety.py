@@ -1,0 +1,111 @@
+"""Let torch's weights-only loading read fairseq checkpoints, and nothing more.
+
+torch >= 2.6 loads with weights_only=True, which builds tensors and containers but no
+other class unless allow-listed; fairseq 0.12 calls torch.load without weights_only, so
+its checkpoints fail to load. We allow-list exactly the globals a fairseq checkpoint
+holds (found with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints
+of this plugin and of plain --arch transformer) and keep weights-only loading on.
+"""
+import argparse
+import collections
+import pickle
+import re
+import typing
+
+import numpy as np
+import torch
+from fairseq import checkpoint_utils
+from fairseq.distributed.utils import _TensorPlaceholder
+from fairseq.file_io import PathManager
+from omegaconf import DictConfig, ListConfig
+from omegaconf.base import ContainerMetadata, Metadata
+from omegaconf.nodes import AnyNode
+
+try:  # numpy >= 2
+    from numpy._core.multiarray import _reconstruct
+except ImportError:
+    from numpy.core.multiarray import _reconstruct
+
+CHECKPOINT_GLOBALS = [
+    # --arch (legacy) models keep their flags as a Namespace in cfg.model (old ones in "args").
+    argparse.Namespace,
+    # --eval-bleu logs n-gram counts as int64 arrays; they stay in the saved meters.
+    _reconstruct,
+    np.ndarray,
+    np.dtype,
+    type(np.dtype("int64")),
+]
+# Multi-process resume: rank 0 torch.save's the loaded state, its cfg an omegaconf
+# DictConfig and its tensors swapped for placeholders, and the other ranks torch.load it
+# (fairseq.distributed.utils.broadcast_object).
+BROADCAST_GLOBALS = [
+    DictConfig,
+    ListConfig,
+    ContainerMetadata,
+    Metadata,
+    AnyNode,
+    typing.Any,  # omegaconf's ref, key and element types
+    dict,
+    list,
+    int,
+    collections.defaultdict,  # omegaconf's resolver cache
+    _TensorPlaceholder,
+]
+torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS + BROADCAST_GLOBALS)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot or may not be loaded; the message says what to do."""
+
+
+def _refusal(path, error):
+    """The message for a checkpoint whose loading failed, or None if the file is not to blame."""
+    corrupt = f"cannot read checkpoint {path}: the file is truncated or corrupt"
+    local_path = PathManager.get_local_path(path)
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(local_path)
+    except ValueError:  # not a zip: a legacy (torch < 1.6) file, or not a checkpoint at all
+        unsafe = re.findall(r"GLOBAL (\S+) was not an allowed global", str(error))
+        if not unsafe:
+            try:
+                torch.load(local_path, map_location="cpu")
+            except Exception as reason:
+                reason = f"{type(reason).__name__}: {reason}"
+                return f"{corrupt}, or torch.save did not write it ({reason})"
+            return None
+    except Exception as reason:  # torch's zip reader raises RuntimeError, the pickle EOFError, ...
+        return f"{corrupt} ({reason})"
+    if unsafe:
+        names = ", ".join(sorted(unsafe))
+        return (
+            f"refusing to load checkpoint {path}: it holds {names}, which fairseq "
+            "checkpoints do not hold, and torch.load (weights_only=True) will not build "
+            "objects it does not know, since unpickling them can run arbitrary code. If "
+            "you trust this file, allow them in your own code before loading it: "
+            f"torch.serialization.add_safe_globals([{names}])"
+        )
+    if isinstance(error, (pickle.UnpicklingError, EOFError)):
+        return f"{corrupt} ({error})"
+    return None
+
+
+_fairseq_load_checkpoint_to_cpu = checkpoint_utils.load_checkpoint_to_cpu
+
+
+def load_checkpoint_to_cpu(path, *args, **kwargs):
+    """fairseq's loader, but a bad file raises CheckpointError naming it, not a pickle traceback."""
+    try:
+        return _fairseq_load_checkpoint_to_cpu(path, *args, **kwargs)
+    # What torch.load raises on a bad file; anything else (a missing file) passes through.
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, ValueError) as error:
+        message = _refusal(path, error)
+        if message is None:
+            raise
+        raise CheckpointError(message) from None
+
+
+# fairseq's trainer, load_model_ensemble(_and_task) and hub_utils all reach the loader as
+# checkpoint_utils.load_checkpoint_to_cpu at call time, so replacing the attribute covers
+# fairseq-train, fairseq-generate, fairseq-interactive and from_pretrained.
+if getattr(checkpoint_utils.load_checkpoint_to_cpu, "__module__", None) != __name__:
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu

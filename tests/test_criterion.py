@@ -1,0 +1,176 @@
+"""blockwise_cross_entropy: head i learns token t+i-1, and k=1 is fairseq's own loss."""
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq import metrics
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.data import LanguagePairDataset
+
+from conftest import build
+
+from fairseq_bpd.criterion import BlockwiseCrossEntropyCriterion, shift_target, teacher_forced_block
+
+SMOOTHING = 0.1
+
+
+def translation_batch(task, bsz, seed, min_len=1, max_len=7):
+    """A batch of random pairs as fairseq collates them (left-padded source, prev_output_tokens)."""
+    rng = random.Random(seed)
+    d = task.target_dictionary
+
+    def sentence():
+        words = [rng.randrange(d.nspecial, len(d)) for _ in range(rng.randint(min_len, max_len))]
+        return torch.tensor(words + [d.eos()])
+
+    src, tgt = [sentence() for _ in range(bsz)], [sentence() for _ in range(bsz)]
+    dataset = LanguagePairDataset(
+        src, [len(s) for s in src], task.source_dictionary, tgt, [len(t) for t in tgt], d
+    )
+    return dataset.collater([dataset[i] for i in range(bsz)])
+
+
+def criterion(task, **kwargs):
+    kwargs.setdefault("report_accuracy", True)
+    return BlockwiseCrossEntropyCriterion(task, False, SMOOTHING, **kwargs)
+
+
+class OracleHeads(torch.nn.Module):
+    """Head i's logits pick `answers[i]` (B x T): a model right exactly where it is told to be."""
+
+    def __init__(self, answers, vocab, margin=40.0):
+        super().__init__()
+        self.features = torch.stack([F.one_hot(a, vocab).double() * margin for a in answers], dim=2)
+        self.decoder = SimpleNamespace(output_layer=lambda x: x)  # features are logits
+
+    def forward(self, **net_input):
+        return self.features[:, :, 0], {"block_features": self.features}  # B x T x V, B x T x k x V
+
+    def get_targets(self, sample, net_output):
+        return sample["target"]
+
+    def get_normalized_probs(self, net_output, log_probs):
+        return F.log_softmax(net_output[0], dim=-1)
+
+
+@pytest.mark.parametrize("layout", ["base", "paper"])
+def test_one_head_is_label_smoothed_cross_entropy(data_dir, layout):
+    task, model, _ = build(data_dir, "--block-size", "1", "--head-layout", layout)
+    sample = translation_batch(task, 6, seed=3)
+    expected = LabelSmoothedCrossEntropyCriterion(task, False, SMOOTHING, report_accuracy=True)
+    loss, sample_size, log = criterion(task)(model, sample)
+    loss_ls, sample_size_ls, log_ls = expected(model, sample)
+    assert sample_size == sample_size_ls == sample["ntokens"]
+    assert torch.equal(loss, loss_ls)
+    for key in ("loss", "nll_loss", "ntokens", "nsentences", "n_correct", "total"):
+        assert log[key] == log_ls[key], key
+
+
+def test_shift_target():
+    target = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 1]])  # pad 1, eos 2
+    assert shift_target(target, 0, pad=1) is target
+    assert shift_target(target, 1, pad=1).tolist() == [[6, 7, 2, 1], [9, 2, 1, 1]]
+    assert shift_target(target, 2, pad=1).tolist() == [[7, 2, 1, 1], [2, 1, 1, 1]]
+
+
+def test_head_i_is_trained_on_token_t_plus_i_minus_1(data_dir):
+    task, _, _ = build(data_dir, "--block-size", "3")
+    sample = translation_batch(task, 5, seed=4)
+    target, pad, vocab = sample["target"], task.target_dictionary.pad(), len(task.target_dictionary)
+    no_smoothing = BlockwiseCrossEntropyCriterion(task, False, 0.0)  # loss_h* is then the nll
+    right = OracleHeads([shift_target(target, i, pad) for i in range(3)], vocab)
+    _, _, log = no_smoothing(right, sample)
+    for h in (1, 2, 3):
+        assert log[f"loss_h{h}"] < 1e-6
+        ntokens = int(shift_target(target, h - 1, pad).ne(pad).sum())
+        assert log[f"n_correct_h{h}"] == log[f"ntokens_h{h}"] == ntokens
+    # Head 3 answering head 2's token (t+1, not t+2) is wrong almost everywhere.
+    off_by_one = OracleHeads([shift_target(target, i, pad) for i in (0, 1, 1)], vocab)
+    _, _, log = no_smoothing(off_by_one, sample)
+    assert log["loss_h2"] < 1e-6
+    assert log["n_correct_h3"] < log["ntokens_h3"] / 2
+    assert log["loss_h3"] > 10 * log["ntokens_h3"]
+
+
+def test_teacher_forced_block():
+    valid = torch.tensor([[True] * 5 + [False]])
+    # Head 1's predictions are the reference r0..r4; every head right: min(k, tokens left).
+    reference = torch.tensor([[10, 11, 12, 13, 14, 0]])
+    perfect = torch.stack([shift_target(reference, i, 0) for i in range(3)], dim=-1)  # 1 x 6 x 3
+    assert [int(v) for v in teacher_forced_block(perfect, valid)] == [3 + 3 + 3 + 2 + 1, 5]
+    # Head 2 wrong at t=1: the block there stops at 1; head 3 right after it does not count.
+    wrong = perfect.clone()
+    wrong[0, 1, 1] = 99
+    assert [int(v) for v in teacher_forced_block(wrong, valid)] == [3 + 1 + 3 + 2 + 1, 5]
+
+
+def test_padded_batch_is_the_sum_of_its_sentences(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3")
+    sample = translation_batch(task, 4, seed=5)
+    assert sample["target"].eq(task.target_dictionary.pad()).any()
+    crit = criterion(task)
+    loss, _, log = crit(model, sample)
+    parts = []
+    for b in range(4):
+        net_input = {key: value[b : b + 1] for key, value in sample["net_input"].items()}
+        length = int(sample["target"][b].ne(task.target_dictionary.pad()).sum())
+        width = int(sample["net_input"]["src_lengths"][b])
+        net_input["src_tokens"] = net_input["src_tokens"][:, -width:]  # drop left padding
+        net_input["prev_output_tokens"] = net_input["prev_output_tokens"][:, :length]
+        target = sample["target"][b : b + 1, :length]
+        parts.append(crit(model, {"net_input": net_input, "target": target, "ntokens": length}))
+    # fairseq takes the log-softmax in float32, whatever the model's dtype.
+    assert torch.allclose(loss, sum(p[0] for p in parts), rtol=1e-6)
+    for key in log:
+        total = sum(p[2][key] for p in parts)
+        if torch.is_tensor(total):
+            assert torch.allclose(log[key], total, rtol=1e-6), key
+        else:
+            assert log[key] == total, key
+
+
+def test_reduced_logs_have_every_head_and_the_block_estimate(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3")
+    logs = [criterion(task)(model, translation_batch(task, 3, seed))[2] for seed in (6, 7)]
+    with metrics.aggregate() as aggregate:
+        BlockwiseCrossEntropyCriterion.reduce_metrics(logs)
+    values = aggregate.get_smoothed_values()
+    for h in (1, 2, 3):
+        ntokens = sum(log[f"ntokens_h{h}"] for log in logs)
+        loss = sum(float(log[f"loss_h{h}"]) for log in logs) / ntokens / math.log(2)
+        correct = sum(log[f"n_correct_h{h}"] for log in logs)
+        assert values[f"loss_h{h}"] == pytest.approx(loss, abs=1e-3)
+        assert values[f"acc_h{h}"] == pytest.approx(100 * correct / ntokens, abs=1e-2)
+    assert "loss_h4" not in values
+    block = sum(log["block_sum"] for log in logs) / sum(log["block_count"] for log in logs)
+    assert 1 <= values["block"] <= 3
+    assert values["block"] == pytest.approx(block, abs=1e-3)
+    assert {"loss", "nll_loss", "ppl", "accuracy"} <= set(values)
+
+
+def test_random_head_trains_one_head_per_batch(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4", "--head-layout", "paper")
+    model.train()  # dropout is 0
+    crit, sample = criterion(task, random_head=True), translation_batch(task, 4, seed=8)
+    fc2 = model.decoder.heads.fc2
+    drawn = set()
+    torch.manual_seed(0)
+    for _ in range(12):
+        model.zero_grad()
+        loss, _, log = crit(model, sample)
+        heads = [key for key in log if key.startswith("loss_h")]
+        assert len(heads) == 1
+        h = int(heads[0][len("loss_h"):])
+        assert torch.equal(loss, log[heads[0]])
+        loss.backward()
+        # fc2's output rows are the heads' slices: only the drawn head's get a gradient.
+        rows = fc2.weight.grad.view(4, -1).abs().sum(dim=1)
+        assert [i + 1 for i in range(4) if rows[i] > 0] == [h]
+        drawn.add(h)
+    assert len(drawn) > 1
+    model.eval()  # validation scores every head
+    _, _, log = crit(model, sample)
+    assert {f"loss_h{h}" for h in (1, 2, 3, 4)} <= set(log) and "block_sum" in log

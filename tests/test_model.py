@@ -1,0 +1,149 @@
+"""transformer_blockwise: k heads on fairseq's decoder, sharing its output projection."""
+from argparse import Namespace
+
+import pytest
+import torch
+from fairseq.criterions import CRITERION_REGISTRY
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+from fairseq.tasks import TASK_REGISTRY
+
+from conftest import build, parse
+from test_criterion import criterion, translation_batch
+
+from fairseq_bpd.model import DEFAULT_BLOCK_SIZE, BlockwiseDecoder, BlockwiseTransformerModel
+
+ARCHS = {  # name: (embed dim, layers) the architecture gives when the command line does not
+    "transformer_blockwise": (512, 6),
+    "transformer_blockwise_small": (256, 3),
+    "transformer_blockwise_iwslt_de_en": (512, 6),
+    "transformer_blockwise_wmt_en_de_big": (1024, 6),
+}
+
+
+def run(model, sample):
+    """Logits B x T x V and the heads' features B x T x k x C."""
+    logits, extra = model(**sample["net_input"])
+    return logits, extra["block_features"]
+
+
+def test_components_are_registered(data_dir):
+    parse(data_dir)  # imports the plugin through --user-dir, as the CLIs do
+    assert MODEL_REGISTRY["transformer_blockwise"] is BlockwiseTransformerModel
+    assert "blockwise_cross_entropy" in CRITERION_REGISTRY
+    assert "translation_blockwise" in TASK_REGISTRY
+    for arch, (dim, layers) in ARCHS.items():
+        assert ARCH_MODEL_REGISTRY[arch] is BlockwiseTransformerModel
+        args = Namespace()
+        ARCH_CONFIG_REGISTRY[arch](args)
+        assert (args.decoder_embed_dim, args.decoder_layers) == (dim, layers), arch
+        assert args.block_size == DEFAULT_BLOCK_SIZE
+        assert (args.head_layout, args.freeze_base) == ("base", False)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_architecture_parses(data_dir, arch):
+    args = parse(data_dir, "--block-size", "2", arch=arch)
+    assert (args.arch, args.block_size, args.decoder_embed_dim) == (arch, 2, 16)
+
+
+@pytest.mark.parametrize("layout", ["base", "paper"])
+def test_head_shapes(data_dir, layout):
+    task, model, _ = build(data_dir, "--block-size", "3", "--head-layout", layout)
+    sample = translation_batch(task, 4, seed=1)
+    B, T = sample["target"].shape
+    logits, block = run(model, sample)
+    assert isinstance(model.decoder, BlockwiseDecoder)
+    assert logits.shape == (B, T, len(task.target_dictionary))
+    assert block.shape == (B, T, 3, 16)
+
+
+@pytest.mark.parametrize("layout", ["base", "paper"])
+def test_heads_share_the_output_projection(data_dir, layout):
+    task, model, _ = build(data_dir, "--block-size", "3", "--head-layout", layout)
+    logits, block = run(model, translation_batch(task, 4, seed=2))
+    projection = model.decoder.output_projection
+    assert torch.equal(logits, projection(block[:, :, 0]))
+    for i in range(3):
+        assert torch.equal(model.decoder.output_layer(block[:, :, i]), projection(block[:, :, i]))
+    # The heads add one feed-forward layer and nothing of vocabulary size.
+    heads = {name for name, _ in model.decoder.heads.named_parameters()}
+    assert heads == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    vocab = len(task.target_dictionary)
+    assert all(vocab not in p.shape for p in model.decoder.heads.parameters())
+
+
+@pytest.mark.parametrize("layout, first", [("base", 1), ("paper", 0)])
+def test_heads_are_independent_slices(data_dir, layout, first):
+    """Head `first + j` is output slice j of the layer: changing it changes that head only."""
+    task, model, _ = build(data_dir, "--block-size", "4", "--head-layout", layout)
+    sample = translation_batch(task, 3, seed=3)
+    _, block = run(model, sample)
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not torch.allclose(block[:, :, i], block[:, :, j])
+    fc2 = model.decoder.heads.fc2
+    C = block.size(-1)
+    assert fc2.out_features == (4 - first) * C
+    for j in range(4 - first):
+        with torch.no_grad():
+            fc2.weight[j * C : (j + 1) * C] += 0.1
+            fc2.bias[j * C : (j + 1) * C] -= 0.1
+        _, changed = run(model, sample)
+        moved = [i for i in range(4) if not torch.equal(changed[:, :, i], block[:, :, i])]
+        assert moved == [first + j]
+        block = changed
+
+
+def test_base_layout_head1_is_the_decoder_output(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3")
+    sample = translation_batch(task, 4, seed=4)
+    net_input = sample["net_input"]
+    logits, block = run(model, sample)
+    encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+    features, _ = model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out)
+    assert torch.equal(block[:, :, 0], features)
+    assert torch.equal(logits, model.decoder.output_projection(features))
+
+
+def test_plain_transformer_checkpoint_loads(data_dir):
+    task, plain, _ = build(data_dir, seed=1, arch="transformer")
+    _, blockwise, _ = build(data_dir, "--block-size", "3", seed=2)
+    heads = {k: v.clone() for k, v in blockwise.decoder.heads.state_dict().items()}
+    state = plain.state_dict()
+    assert not any(".heads." in key for key in state)
+    blockwise.load_state_dict(state, strict=True)  # upgrade_state_dict_named adds the heads
+    for key, value in blockwise.decoder.heads.state_dict().items():
+        assert torch.equal(value, heads[key])
+    sample = translation_batch(task, 4, seed=5)
+    logits, block = run(blockwise, sample)
+    assert torch.equal(logits, plain(**sample["net_input"])[0])
+    assert not torch.equal(block[:, :, 1], block[:, :, 0])
+
+
+def test_freeze_base_trains_the_heads_only(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3", "--freeze-base", dtype=torch.float32)
+    model.train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # Every parameter is handed to the optimizer: the frozen ones must get no gradient.
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    crit = criterion(task)
+    for seed in range(4):
+        optimizer.zero_grad()
+        loss, _, _ = crit(model, translation_batch(task, 4, seed=seed))
+        loss.backward()
+        optimizer.step()
+    for name, p in model.named_parameters():
+        if name.startswith("decoder.heads."):
+            assert not torch.equal(p, before[name]), name
+        else:
+            assert torch.equal(p, before[name]), name
+
+
+def test_block_size_zero_is_refused(data_dir):
+    with pytest.raises(ValueError, match="--block-size must be at least 1"):
+        build(data_dir, "--block-size", "0")
+
+
+def test_freeze_base_with_nothing_to_train_is_refused(data_dir):
+    with pytest.raises(ValueError, match="--freeze-base"):
+        build(data_dir, "--block-size", "1", "--freeze-base")
