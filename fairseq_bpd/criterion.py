@@ -87,16 +87,7 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         loss = 0.0
         predictions = []
         for i in heads:
-            logits = model.decoder.output_layer(block[:, :, i])
-            lprobs = model.get_normalized_probs((logits, None), log_probs=True)
-            target_i = shift_target(target, i, self.padding_idx)
-            loss_i, nll_i = label_smoothed_nll_loss(
-                lprobs.view(-1, lprobs.size(-1)),
-                target_i.reshape(-1),
-                self.eps,
-                ignore_index=self.padding_idx,
-                reduce=reduce,
-            )
+            loss_i, nll_i, lprobs, target_i = self.head_loss(model, block, target, i, reduce)
             loss = loss + loss_i
             mask = target_i.ne(self.padding_idx)
             prediction = lprobs.argmax(-1)
@@ -112,6 +103,11 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                 if self.report_accuracy:
                     logging_output["n_correct"] = logging_output["n_correct_h1"]
                     logging_output["total"] = logging_output["ntokens_h1"]
+        if "nll_loss" not in logging_output:
+            # A random head other than head 1 was drawn: still log head 1's nll, so
+            # that nll_loss and ppl stay the base model's.
+            with torch.no_grad():
+                logging_output["nll_loss"] = self.head_loss(model, block, target, 0, reduce)[1].data
         loss = loss / len(heads)
         logging_output["loss"] = loss.data
         if len(predictions) == k:
@@ -121,6 +117,20 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             logging_output["block_sum"] = utils.item(accepted)
             logging_output["block_count"] = utils.item(positions)
         return loss, logging_output["sample_size"], logging_output
+
+    def head_loss(self, model, block, target, i, reduce=True):
+        """Label-smoothed loss and nll of head i (0-based), its log-probs and its target."""
+        logits = model.decoder.output_layer(block[:, :, i])
+        lprobs = model.get_normalized_probs((logits, None), log_probs=True)
+        target_i = shift_target(target, i, self.padding_idx)
+        loss_i, nll_i = label_smoothed_nll_loss(
+            lprobs.view(-1, lprobs.size(-1)),
+            target_i.reshape(-1),
+            self.eps,
+            ignore_index=self.padding_idx,
+            reduce=reduce,
+        )
+        return loss_i, nll_i, lprobs, target_i
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

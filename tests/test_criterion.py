@@ -165,6 +165,8 @@ def test_random_head_trains_one_head_per_batch(data_dir):
         assert len(heads) == 1
         h = int(heads[0][len("loss_h"):])
         assert torch.equal(loss, log[heads[0]])
+        full = criterion(task)(model, sample)[2]
+        assert torch.allclose(log["nll_loss"], full["nll_loss"])  # head 1's nll, whichever head
         loss.backward()
         # fc2's output rows are the heads' slices: only the drawn head's get a gradient.
         rows = fc2.weight.grad.view(4, -1).abs().sum(dim=1)
