@@ -266,9 +266,13 @@ class BlockwiseGenerator(nn.Module):
         lprobs[lprobs != lprobs] = -math.inf
         lprobs[..., self.pad] = -math.inf
         lprobs[..., self.unk] -= self.unk_penalty
-        not_eos = torch.arange(lprobs.size(2), device=lprobs.device) != self.eos
-        lprobs.masked_fill_((steps >= max_len)[..., None] & not_eos, -math.inf)
-        lprobs[..., self.eos].masked_fill_(steps < self.min_len, -math.inf)
+        at_max_len = steps >= max_len
+        if at_max_len.any():  # skipped when it cannot bite: this runs once per invocation
+            not_eos = torch.arange(lprobs.size(2), device=lprobs.device) != self.eos
+            lprobs.masked_fill_(at_max_len[..., None] & not_eos, -math.inf)
+        below_min_len = steps < self.min_len
+        if below_min_len.any():
+            lprobs[..., self.eos].masked_fill_(below_min_len, -math.inf)
         if self.repeat_ngram_blocker is not None:
             self.block_repeated_ngrams(lprobs, steps, tokens, block, max_len)
         return lprobs

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Shrink a fairseq checkpoint for the repository, and restore it.
 
-pack: drop the optimizer state and store each weight matrix as int8 with one float
-scale per row (about a quarter of float32); unpack: a loadable fairseq checkpoint
-with float32 weights. The demo decodes with the unpacked model, so its greedy and
+pack: drop the optimizer state and store each weight matrix in 4 bits, with one
+float16 scale per group of 64 weights in a row (about a seventh of float32); unpack:
+a loadable fairseq checkpoint with float32 weights. The demo decodes with the unpacked model, so its greedy and
 blockwise outputs are compared on the very same weights.
 
   .venv/bin/python scripts/pack_checkpoint.py pack CKPT OUT.pt
@@ -19,19 +19,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fairseq_bpd  # noqa: E402,F401  (allow-lists the checkpoint globals)
 
 
+GROUP = 64
+
+
+def quantize(weight):
+    """rows x cols float -> (packed uint8 rows x cols/2, float16 scales rows x cols/GROUP)."""
+    groups = weight.view(weight.size(0), -1, GROUP)
+    scale = groups.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 7
+    q = (torch.round(groups / scale).clamp(-8, 7) + 8).to(torch.uint8).view(weight.size(0), -1)
+    return q[:, 0::2] | (q[:, 1::2] << 4), scale.squeeze(2).half()
+
+
+def dequantize(packed, scale):
+    q = torch.stack([packed & 15, packed >> 4], dim=2).view(packed.size(0), -1).float() - 8
+    return (q.view(q.size(0), -1, GROUP) * scale.float().unsqueeze(2)).view(q.size(0), -1)
+
+
 def pack(src, dst):
     state = torch.load(src, map_location="cpu")
     weights = {}
     for name, tensor in state["model"].items():
         tensor = tensor.float()
-        if tensor.dim() == 2:
-            scale = tensor.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-            weights[name] = {"int8": torch.round(tensor / scale).to(torch.int8), "scale": scale.half()}
+        if tensor.dim() == 2 and tensor.size(1) % GROUP == 0:
+            packed, scale = quantize(tensor)
+            weights[name] = {"int4": packed, "scale": scale}
         else:
             weights[name] = {"half": tensor.half()}
     kept = {key: state[key] for key in ("cfg", "args", "optimizer_history") if key in state}
-    for entry in kept.get("optimizer_history", []):
-        entry.pop("lr_scheduler_state", None)
     torch.save({"packed_model": weights, **kept, "extra_state": {}}, dst)
 
 
@@ -39,8 +53,8 @@ def unpack(src, dst):
     state = torch.load(src, map_location="cpu")
     model = {}
     for name, stored in state.pop("packed_model").items():
-        if "int8" in stored:
-            model[name] = stored["int8"].float() * stored["scale"].float()
+        if "int4" in stored:
+            model[name] = dequantize(stored["int4"], stored["scale"])
         else:
             model[name] = stored["half"].float()
     state["model"] = model
