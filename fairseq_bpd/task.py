@@ -66,7 +66,9 @@ class TranslationBlockwiseTask(TranslationTask):
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
-        self.check_blockwise_request(models, args, prefix_allowed_tokens_fn)
+        self.check_blockwise_request(models, args, prefix_allowed_tokens_fn, extra_gen_cls_kwargs)
+        # fairseq-generate prints this beam with its BLEU score: say that greedy ran.
+        args.beam = 1
         decoder = models[0].decoder
         return BlockwiseGenerator(
             models[0],
@@ -85,7 +87,7 @@ class TranslationBlockwiseTask(TranslationTask):
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
         )
 
-    def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None):
+    def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
         """Refuse, naming the flag, what blockwise (greedy) decoding cannot honour."""
 
         def refuse(message):
@@ -103,6 +105,12 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse("cannot be combined with --prefix-size")
         if getattr(args, "constraints", None):
             refuse("cannot be combined with --constraints")
+        if getattr(args, "score_reference", False):
+            refuse("cannot be combined with --score-reference, which decodes nothing; drop --blockwise")
+        if getattr(args, "print_alignment", None):
+            refuse("gives no alignments; drop --print-alignment")
+        if (extra_gen_cls_kwargs or {}).get("lm_model") is not None:
+            refuse("cannot be combined with --lm-path")
         if prefix_allowed_tokens_fn is not None:
             refuse("cannot be combined with prefix_allowed_tokens_fn")
         if getattr(args, "diverse_beam_groups", -1) > 0 or getattr(args, "diversity_rate", -1) > 0:

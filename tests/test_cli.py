@@ -1,0 +1,164 @@
+"""fairseq's own CLIs and hub interface with --user-dir fairseq_bpd: blockwise decoding is greedy decoding."""
+import re
+from functools import partial
+
+import pytest
+
+from cli_support import (  # noqa: F401 (one_torch_thread: a fixture)
+    BLOCK_SIZE, PLUGIN, SUMMARY, TRAIN, Runs, assert_same_hypotheses, hypotheses, one_torch_thread, run,
+    summary, trained,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+N = 20  # sentences in the test subset
+INTERACTIVE_N = 8
+
+
+def commands(tiny, tmp_path):
+    """Every CLI run of this module by name; they run in the background while tests read them."""
+    generate = partial(run, "fairseq-generate", tiny.data, "--user-dir", PLUGIN, "--path", tiny.checkpoint, "--cpu")
+    ours = partial(generate, "--task", "translation_blockwise")
+    # Stock translation drops a last batch that is not a multiple of
+    # --required-batch-size-multiple (default 8); translation_blockwise sets it to 1.
+    stock = partial(generate, "--task", "translation", "--required-batch-size-multiple", 1, "--batch-size", 32)
+    with open(f"{tiny.raw}/test.de") as f:
+        source = "".join(f.readlines()[:INTERACTIVE_N])
+    interactive = partial(
+        run, "fairseq-interactive", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
+        "--path", tiny.checkpoint, "--cpu", "--source-lang", "de", "--target-lang", "en",
+        "--buffer-size", 4, "--batch-size", 3, stdin=source,
+    )
+    # A few updates from the tiny model, validating with --eval-bleu (both runs train alike);
+    # --save-dir, though nothing is saved: --finetune-from-model refuses one holding a checkpoint.
+    train = partial(
+        run, "fairseq-train", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
+        "--arch", "transformer_blockwise", "--block-size", BLOCK_SIZE, "--criterion", "blockwise_cross_entropy",
+        *TRAIN, "--max-update", 2, "--finetune-from-model", tiny.checkpoint, "--no-save", "--eval-bleu",
+    )
+    return {
+        "blockwise 1": partial(ours, "--blockwise", "--print-step", "--batch-size", 1),
+        "greedy 1": partial(ours, "--beam", 1, "--batch-size", 1),
+        "blockwise 32": partial(ours, "--blockwise", "--print-step", "--batch-size", 32),
+        "greedy 32": partial(ours, "--beam", 1, "--batch-size", 32),
+        "stock greedy": partial(stock, "--beam", 1),
+        "stock beam": partial(stock, "--beam", 4),
+        "interactive blockwise": partial(interactive, "--blockwise"),
+        "interactive greedy": partial(interactive, "--beam", 1),
+        "train blockwise": partial(train, "--blockwise", "--save-dir", tmp_path / "a"),
+        "train greedy": partial(train, "--eval-bleu-args", '{"beam": 1}', "--save-dir", tmp_path / "b"),
+        "block size 2": partial(ours, "--blockwise", "--block-size", 2, "--print-step", "--batch-size", 32),
+        "topk 2": partial(ours, "--blockwise", "--blockwise-topk", 2, "--print-step", "--batch-size", 32),
+        "min block 2": partial(ours, "--blockwise", "--blockwise-min-block", 2, "--print-step", "--batch-size", 32),
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    runs = Runs(commands(tiny, tmp_path_factory.mktemp("cli")))
+    yield runs
+    runs.close()
+
+
+def generated(runs, name):
+    output = runs[name]
+    assert len(hypotheses(output)) == N
+    return output
+
+
+def bleu(output):
+    return re.search(r"BLEU4 = (.*)", output)[1]
+
+
+def steps(output):
+    """--print-step's I-lines: {sentence id: decoder invocations}."""
+    return {int(i): int(n) for i, n in re.findall(r"^I-(\d+)\t(\d+)$", output, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("batch_size", [1, 32])
+def test_generate_blockwise_equals_greedy(runs, batch_size):
+    blockwise, greedy = generated(runs, f"blockwise {batch_size}"), generated(runs, f"greedy {batch_size}")
+    assert_same_hypotheses(hypotheses(greedy), hypotheses(blockwise))
+    assert bleu(blockwise) == bleu(greedy)
+    assert "Generate test with beam=1:" in blockwise
+    stats = summary(blockwise)
+    assert stats.sentences == N and stats.invocations == sum(steps(blockwise).values())
+    assert not SUMMARY.search(greedy)
+
+
+def test_print_step_counts_decoder_invocations(runs):
+    output = generated(runs, "blockwise 32")
+    invocations, hypos, stats = steps(output), hypotheses(output), summary(output)
+    lengths = {i: len(tokens.split()) + 1 for i, (_, tokens) in hypos.items()}  # with EOS
+    assert sorted(invocations) == sorted(hypos)
+    for i, n in invocations.items():
+        # The first invocation, on BOS alone, gives one token; each later one 1..k.
+        assert 1 + -(-(lengths[i] - 1) // BLOCK_SIZE) <= n <= lengths[i]
+    assert stats.tokens == sum(lengths.values())
+    assert sum(stats.histogram.values()) == stats.invocations - N
+    assert sum(size * count for size, count in stats.histogram.items()) == stats.tokens - N
+    assert stats.invocations < stats.tokens, "the trained heads should get some proposals accepted"
+
+
+def test_stock_translation_task_decodes_with_head_one(runs):
+    greedy = generated(runs, "stock greedy")
+    assert_same_hypotheses(hypotheses(greedy), hypotheses(generated(runs, "blockwise 32")))
+    beam = generated(runs, "stock beam")
+    assert "Generate test with beam=4:" in beam and not SUMMARY.search(beam)
+
+
+def test_interactive_blockwise_equals_greedy(runs):
+    blockwise, greedy = runs["interactive blockwise"], runs["interactive greedy"]
+    assert len(hypotheses(greedy)) == INTERACTIVE_N
+    assert_same_hypotheses(hypotheses(greedy), hypotheses(blockwise))
+    assert summary(blockwise).sentences == INTERACTIVE_N
+
+
+def test_hub_interface(tiny):
+    from fairseq_bpd.model import BlockwiseTransformerModel
+
+    def load(**overrides):
+        return BlockwiseTransformerModel.from_pretrained(
+            tiny.save_dir, checkpoint_file="checkpoint_last.pt", data_name_or_path=tiny.data,
+            user_dir=PLUGIN, **overrides,
+        )
+
+    with open(f"{tiny.raw}/test.de") as f:
+        sentences = f.read().splitlines()[:6]
+    greedy = load().translate(sentences, beam=1)
+    hub = load(task="translation_blockwise", blockwise=True)
+    assert hub.task.cfg.blockwise
+    assert hub.translate(sentences) == greedy  # translate's default beam=5 is not a request
+    hypos = hub.generate([hub.encode(s) for s in sentences], beam=1)
+    assert [hub.decode(h[0]["tokens"]) for h in hypos] == greedy
+    assert all(1 <= h[0]["steps"] <= len(h[0]["tokens"]) for h in hypos)
+    with pytest.raises(ValueError, match="--beam 4"):
+        hub.translate(sentences, beam=4)
+
+
+def test_eval_bleu_during_training(runs):
+    """Validation BLEU under --blockwise is greedy's."""
+    blockwise, greedy = runs["train blockwise"], runs["train greedy"]
+    scores = [re.search(r"\| valid on 'valid' subset \|.*\| bleu ([\d.]+) \|", out) for out in (blockwise, greedy)]
+    assert all(scores), blockwise[-3000:]
+    assert float(scores[0][1]) == float(scores[1][1]) > 0
+    assert summary(blockwise).sentences == 20  # the valid subset, decoded once
+    assert not SUMMARY.search(greedy)
+
+
+def test_smaller_block_size_is_still_greedy(runs):
+    smaller = generated(runs, "block size 2")
+    assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(smaller))
+    assert set(summary(smaller).histogram) <= {1, 2}
+
+
+@pytest.mark.parametrize("relaxation", ["topk 2", "min block 2"])
+def test_relaxed_acceptance_takes_no_more_invocations(runs, relaxation):
+    exact, relaxed = generated(runs, "blockwise 32"), generated(runs, relaxation)
+    assert sum(steps(relaxed).values()) <= sum(steps(exact).values())
+    assert summary(relaxed).mean >= summary(exact).mean
