@@ -2,24 +2,35 @@
 # Recipe step 2, sequence-level distillation: translate the training source with the
 # base model's beam search (the paper: beam 4, length penalty 0.6) and binarise the
 # output, with the same dictionary, as the new training targets.
-# Usage: scripts/distill.sh DATA BASE_CKPT OUT [fairseq-generate flags...]
+# Usage: [SENTENCES=N] scripts/distill.sh DATA BASE_CKPT OUT [fairseq-generate flags...]
+# SENTENCES=N distils only the first N training pairs (a CPU budget); OUT's train set is then those N.
 set -euo pipefail
 DATA=$1; CKPT=$2; OUT=$3; shift 3
+SENTENCES=${SENTENCES:-}
 BIN="$(dirname "$0")/../.venv/bin"
 SRC=$(ls "$DATA"/dict.*.txt | head -1 | sed 's/.*dict\.\(.*\)\.txt/\1/')
 TGT=$(ls "$DATA"/dict.*.txt | tail -1 | sed 's/.*dict\.\(.*\)\.txt/\1/')
 for f in "$CKPT" "$DATA/text/train.bpe.$SRC"; do [ -f "$f" ] || { echo "error: not found: $f" >&2; exit 1; }; done
 mkdir -p "$OUT/text"
+SOURCE="$DATA"
+if [ -n "$SENTENCES" ]; then
+  # a train split of the first N pairs, binarised with the same dictionary
+  SOURCE="$OUT/subset"; mkdir -p "$SOURCE"
+  for l in "$SRC" "$TGT"; do head -n "$SENTENCES" "$DATA/text/train.bpe.$l" > "$SOURCE/train.bpe.$l"; done
+  "$BIN/fairseq-preprocess" --source-lang "$SRC" --target-lang "$TGT" --trainpref "$SOURCE/train.bpe" \
+    --srcdict "$DATA/dict.$SRC.txt" --tgtdict "$DATA/dict.$TGT.txt" --destdir "$SOURCE" --workers 2 > /dev/null
+  mkdir -p "$SOURCE/text"; mv "$SOURCE"/train.bpe.* "$SOURCE/text/"
+fi
 if [ ! -f "$OUT/text/train.bpe.$TGT" ]; then
-  "$BIN/fairseq-generate" "$DATA" --path "$CKPT" --gen-subset train --source-lang "$SRC" --target-lang "$TGT" \
-    --beam 4 --lenpen 0.6 --max-tokens 8000 --required-batch-size-multiple 1 "$@" > "$OUT/generate-train.txt"
+  "$BIN/fairseq-generate" "$SOURCE" --path "$CKPT" --gen-subset train --source-lang "$SRC" --target-lang "$TGT" \
+    --beam 4 --lenpen 0.6 --max-len-a 1.2 --max-len-b 10 --max-tokens 8000 --required-batch-size-multiple 1 "$@" > "$OUT/generate-train.txt"
   # H-<id> lines in id order are the distilled targets (still BPE'd, as fairseq saw them).
   grep '^H-' "$OUT/generate-train.txt" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$OUT/text/train.bpe.$TGT.tmp"
-  want=$(wc -l < "$DATA/text/train.bpe.$SRC"); got=$(wc -l < "$OUT/text/train.bpe.$TGT.tmp")
+  want=$(wc -l < "$SOURCE/text/train.bpe.$SRC"); got=$(wc -l < "$OUT/text/train.bpe.$TGT.tmp")
   [ "$want" = "$got" ] || { echo "error: $got distilled targets for $want sources" >&2; exit 1; }
   mv "$OUT/text/train.bpe.$TGT.tmp" "$OUT/text/train.bpe.$TGT"
 fi
-ln -sf "$(realpath "$DATA/text/train.bpe.$SRC")" "$OUT/text/train.bpe.$SRC"
+cp "$SOURCE/text/train.bpe.$SRC" "$OUT/text/train.bpe.$SRC"
 rm -f "$OUT"/dict.*.txt
 "$BIN/fairseq-preprocess" --source-lang "$SRC" --target-lang "$TGT" \
   --trainpref "$OUT/text/train.bpe" --validpref "$DATA/text/valid.bpe" --testpref "$DATA/text/test.bpe" \

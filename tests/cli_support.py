@@ -12,8 +12,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-import pytest
-import torch
 
 from conftest import PLUGIN
 
@@ -51,16 +49,6 @@ def run(tool, *args, stdin=None, fails=False):
     output = process.stdout + process.stderr
     assert (process.returncode != 0) == fails, f"{tool} exited {process.returncode}:\n{output[-4000:]}"
     return output
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """In-process runs get ENV's one thread too: on two cores shared with other jobs, torch's
-    second thread makes these tiny models several times slower, not faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Runs:

@@ -64,6 +64,15 @@ def random_sample(task, bsz, seed, min_len=2, max_len=9):
     }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """On two shared cores torch's second thread makes these tiny models slower, not faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def data_dir(tmp_path):
     return write_dicts(str(tmp_path / "data"))

@@ -4,12 +4,10 @@ from functools import partial
 
 import pytest
 
-from cli_support import (  # noqa: F401 (one_torch_thread: a fixture)
-    BLOCK_SIZE, PLUGIN, SUMMARY, TRAIN, Runs, assert_same_hypotheses, hypotheses, one_torch_thread, run,
+from cli_support import (
+    BLOCK_SIZE, PLUGIN, SUMMARY, TRAIN, Runs, assert_same_hypotheses, hypotheses, run,
     summary, trained,
 )
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 N = 20  # sentences in the test subset
 INTERACTIVE_N = 8

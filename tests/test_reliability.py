@@ -17,9 +17,8 @@ import torch
 from fairseq import checkpoint_utils
 
 from conftest import build
-from cli_support import PLUGIN, TEST_SUBSETS, hypotheses, one_torch_thread, run, trained  # noqa: F401
+from cli_support import PLUGIN, TEST_SUBSETS, hypotheses, run, trained
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SIZES = {n: subset for subset, n in TEST_SUBSETS.items()}
 
 
