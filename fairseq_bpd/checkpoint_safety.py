@@ -5,9 +5,13 @@ other class unless allow-listed; fairseq 0.12 calls torch.load without weights_o
 its checkpoints fail to load. We allow-list exactly the globals a fairseq checkpoint
 holds (found with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints
 of this plugin and of plain --arch transformer) and keep weights-only loading on.
+
+It also makes fairseq's checkpoint copies atomic, so a killed job leaves a whole
+checkpoint_last.pt to resume from.
 """
 import argparse
 import collections
+import os
 import pickle
 import re
 import typing
@@ -96,8 +100,12 @@ def load_checkpoint_to_cpu(path, *args, **kwargs):
     """fairseq's loader, but a bad file raises CheckpointError naming it, not a pickle traceback."""
     try:
         return _fairseq_load_checkpoint_to_cpu(path, *args, **kwargs)
-    # What torch.load raises on a bad file; anything else (a missing file) passes through.
-    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, ValueError) as error:
+    # What torch.load raises on a bad file; anything else passes through. An OSError that
+    # names no file is torch's reader seeking past the end of a truncated one; one that
+    # names it is open()'s (a missing file, a directory, no permission).
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, ValueError, OSError) as error:
+        if isinstance(error, OSError) and error.filename is not None:
+            raise
         message = _refusal(path, error)
         if message is None:
             raise
@@ -109,3 +117,26 @@ def load_checkpoint_to_cpu(path, *args, **kwargs):
 # fairseq-train, fairseq-generate, fairseq-interactive and from_pretrained.
 if getattr(checkpoint_utils.load_checkpoint_to_cpu, "__module__", None) != __name__:
     checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+
+
+class AtomicCopyPathManager(PathManager):
+    """fairseq's PathManager, but a copy lands whole or not at all.
+
+    fairseq writes a save's first file atomically (to .tmp, then rename) and then copies
+    it to checkpoint_last.pt and checkpoint_best.pt in place, so a job killed during the
+    copy leaves a truncated checkpoint_last.pt and its resume fails. Copy the same way.
+    """
+
+    @staticmethod
+    def copy(src_path, dst_path, overwrite=False):
+        if not PathManager.supports_rename(dst_path):
+            return PathManager.copy(src_path, dst_path, overwrite)
+        copied = PathManager.copy(src_path, dst_path + ".tmp", overwrite=True)
+        if copied:
+            os.replace(dst_path + ".tmp", dst_path)  # unlike os.rename, also over a file on Windows
+        return copied
+
+
+# checkpoint_utils.save_checkpoint reaches the copy as its module's PathManager.copy.
+if getattr(checkpoint_utils.PathManager, "__module__", None) != __name__:
+    checkpoint_utils.PathManager = AtomicCopyPathManager
