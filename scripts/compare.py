@@ -110,8 +110,11 @@ def main():
     ap.add_argument("--min-block", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-sentences", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     for path in (args.path, args.data):
         if not os.path.exists(path):
             raise SystemExit(f"error: not found: {path}")

@@ -49,7 +49,7 @@ def restore_checkpoint(work, manifest, data):
     checkpoint = os.path.join(work, "checkpoint.pt")
     if not os.path.exists(checkpoint):
         step("restoring the shipped checkpoint")
-        run("scripts/pack_checkpoint.py", "unpack", os.path.join(MODEL_DIR, "checkpoint.int8.pt"), checkpoint)
+        run("scripts/pack_checkpoint.py", "unpack", os.path.join(MODEL_DIR, "checkpoint.int4.pt"), checkpoint)
     return checkpoint
 
 

@@ -37,8 +37,14 @@ def dequantize(packed, scale):
 
 def pack(src, dst):
     state = torch.load(src, map_location="cpu")
-    weights = {}
+    weights, first_name = {}, {}
     for name, tensor in state["model"].items():
+        # shared embeddings appear under several names but are one tensor: store it once
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key in first_name:
+            weights[name] = {"same_as": first_name[key]}
+            continue
+        first_name[key] = name
         tensor = tensor.float()
         if tensor.dim() == 2 and tensor.size(1) % GROUP == 0:
             packed, scale = quantize(tensor)
@@ -53,7 +59,9 @@ def unpack(src, dst):
     state = torch.load(src, map_location="cpu")
     model = {}
     for name, stored in state.pop("packed_model").items():
-        if "int4" in stored:
+        if "same_as" in stored:
+            model[name] = model[stored["same_as"]]
+        elif "int4" in stored:
             model[name] = dequantize(stored["int4"], stored["scale"])
         else:
             model[name] = stored["half"].float()

@@ -15,4 +15,4 @@ scripts/distill.sh data/bible-bin "$WORK/base/checkpoint_last.pt" data/bible-dis
   --user-dir fairseq_bpd
 scripts/train_heads.sh data/bible-distill "$WORK/base/checkpoint_last.pt" "$WORK/heads-k$K" "$K" finetune \
   --head-ffn-dim 256 --max-update "$HEAD_UPDATES"
-.venv/bin/python scripts/pack_checkpoint.py pack "$WORK/heads-k$K/checkpoint_last.pt" models/demo/checkpoint.int8.pt
+.venv/bin/python scripts/pack_checkpoint.py pack "$WORK/heads-k$K/checkpoint_last.pt" models/demo/checkpoint.int4.pt
