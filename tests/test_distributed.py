@@ -17,7 +17,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from test_train import BLOCKWISE, ENV, TINY, fairseq, finish, write_corpus
+from test_train import BLOCKWISE, ENV, TINY, binarised_corpus, fairseq, finish
 
 from fairseq_bpd.checkpoint_safety import CheckpointError
 
@@ -69,14 +69,7 @@ train.cli_main()
 def base(tmp_path_factory):
     """A plain transformer checkpoint and the binarised corpus it was trained on."""
     root = tmp_path_factory.mktemp("distributed")
-    raw, data = root / "raw", str(root / "bin")
-    raw.mkdir()
-    write_corpus(raw)
-    finish(fairseq(
-        "fairseq-preprocess", "--source-lang", "de", "--target-lang", "en", "--joined-dictionary",
-        "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--destdir", data,
-        "--workers", "1",
-    ))
+    data = binarised_corpus(root)
     finish(fairseq(
         "fairseq-train", data, *TINY, "--task", "translation", "--arch", "transformer",
         "--criterion", "label_smoothed_cross_entropy", "--save-dir", f"{root}/base",

@@ -69,10 +69,8 @@ def finish(process, timeout=300):
     return output
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A plain transformer, a blockwise model, and heads trained on the frozen plain one."""
-    root = tmp_path_factory.mktemp("train")
+def binarised_corpus(root):
+    """The test corpus, written and binarised with a joined dictionary under root/bin."""
     raw, data = root / "raw", str(root / "bin")
     raw.mkdir()
     write_corpus(raw)
@@ -81,6 +79,14 @@ def runs(tmp_path_factory):
         "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--destdir", data,
         "--workers", "1",
     ))
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A plain transformer, a blockwise model, and heads trained on the frozen plain one."""
+    root = tmp_path_factory.mktemp("train")
+    data = binarised_corpus(root)
     base = fairseq(
         "fairseq-train", data, *TINY, "--task", "translation", "--arch", "transformer",
         "--criterion", "label_smoothed_cross_entropy", "--save-dir", f"{root}/base",
