@@ -14,5 +14,5 @@ scripts/train_base.sh data/bible-bin "$WORK/base" --max-epoch "$BASE_EPOCHS"
 scripts/distill.sh data/bible-bin "$WORK/base/checkpoint_last.pt" data/bible-distill \
   --user-dir fairseq_bpd
 scripts/train_heads.sh data/bible-distill "$WORK/base/checkpoint_last.pt" "$WORK/heads-k$K" "$K" finetune \
-  --head-ffn-dim 256 --max-update "$HEAD_UPDATES"
+  --head-ffn-dim 128 --max-update "$HEAD_UPDATES"
 .venv/bin/python scripts/pack_checkpoint.py pack "$WORK/heads-k$K/checkpoint_last.pt" models/demo/checkpoint.int4.pt
