@@ -2,14 +2,16 @@
 # Recipe step 2, sequence-level distillation: translate the training source with the
 # base model's beam search (the paper: beam 4, length penalty 0.6) and binarise the
 # output, with the same dictionary, as the new training targets.
-# Usage: [SENTENCES=N] scripts/distill.sh DATA BASE_CKPT OUT [fairseq-generate flags...]
+# Usage: [SRC=de TGT=en] [SENTENCES=N] scripts/distill.sh DATA BASE_CKPT OUT [fairseq-generate flags...]
 # SENTENCES=N distils only the first N training pairs (a CPU budget); OUT's train set is then those N.
 set -euo pipefail
 DATA=$1; CKPT=$2; OUT=$3; shift 3
 SENTENCES=${SENTENCES:-}
 BIN="$(dirname "$0")/../.venv/bin"
-SRC=$(ls "$DATA"/dict.*.txt | head -1 | sed 's/.*dict\.\(.*\)\.txt/\1/')
-TGT=$(ls "$DATA"/dict.*.txt | tail -1 | sed 's/.*dict\.\(.*\)\.txt/\1/')
+# SRC/TGT name the languages (default: de and en, the default corpus).
+SRC=${SRC:-de}; TGT=${TGT:-en}
+[ -f "$DATA/dict.$SRC.txt" ] && [ -f "$DATA/dict.$TGT.txt" ] || {
+  echo "error: $DATA has no dict.$SRC.txt / dict.$TGT.txt; set SRC= and TGT= to its languages" >&2; exit 1; }
 for f in "$CKPT" "$DATA/text/train.bpe.$SRC"; do [ -f "$f" ] || { echo "error: not found: $f" >&2; exit 1; }; done
 mkdir -p "$OUT/text"
 SOURCE="$DATA"
