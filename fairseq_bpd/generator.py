@@ -263,7 +263,7 @@ class BlockwiseGenerator(nn.Module):
         if self.temperature != 1.0:
             logits.div_(self.temperature)
         lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
-        lprobs[lprobs != lprobs] = -math.inf
+        lprobs.masked_fill_(lprobs.isnan(), -math.inf)
         lprobs[..., self.pad] = -math.inf
         lprobs[..., self.unk] -= self.unk_penalty
         at_max_len = steps >= max_len

@@ -3,7 +3,9 @@
 # Usage: scripts/train_base.sh DATA SAVE_DIR [fairseq-train flags...]; resumes from SAVE_DIR/checkpoint_last.pt.
 set -euo pipefail
 DATA=$1; SAVE=$2; shift 2
-exec "$(dirname "$0")/../.venv/bin/fairseq-train" "$DATA" \
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# --user-dir only for checkpoint_safety: resuming needs the allow-listed globals under torch>=2.6.
+exec "$ROOT/.venv/bin/fairseq-train" "$DATA" --user-dir "$ROOT/fairseq_bpd" \
   --arch transformer --share-all-embeddings \
   --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256 \
   --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 \

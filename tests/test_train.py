@@ -214,3 +214,24 @@ def test_heads_train_on_a_frozen_plain_transformer(runs):
     for key, value in base.items():
         assert torch.equal(trained[key], value), key
     assert trained["decoder.heads.fc2.weight"].abs().sum() > 0  # initialised to zero, then trained
+
+
+def test_recipe_scripts_resume_their_checkpoints(tmp_path):
+    """train_base.sh and train_heads.sh pick up checkpoint_last.pt under weights-only loading."""
+    data = binarised_corpus(tmp_path)
+    scripts = os.path.join(os.path.dirname(PLUGIN), "scripts")
+    fast = ["--cpu", "--num-workers", "0", "--no-progress-bar", "--encoder-layers", "1", "--decoder-layers", "1"]
+
+    def recipe(name, *args):
+        return finish(subprocess.Popen([os.path.join(scripts, name), *args, *fast], env=ENV, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+
+    base = tmp_path / "base"
+    recipe("train_base.sh", data, str(base), "--max-update", "1")
+    resumed = recipe("train_base.sh", data, str(base), "--max-update", "2")
+    assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 1 updates\)", resumed), resumed[-2000:]
+    heads = tmp_path / "heads"
+    recipe("train_heads.sh", data, str(base / "checkpoint_last.pt"), str(heads), "2", "frozen", "--max-update", "1")
+    resumed = recipe("train_heads.sh", data, str(base / "checkpoint_last.pt"), str(heads), "2", "frozen",
+                     "--max-update", "2")
+    assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 1 updates\)", resumed), resumed[-2000:]
