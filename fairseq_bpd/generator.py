@@ -13,6 +13,7 @@ from collections import Counter
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class BlockwiseGenerator(nn.Module):
         block_size,
         topk=1,
         min_block=1,
+        proposal_vocab=0,
         max_len_a=0,
         max_len_b=200,
         max_len=0,
@@ -137,6 +139,7 @@ class BlockwiseGenerator(nn.Module):
         self.model = model
         self.block_size = block_size
         self.topk, self.min_block = topk, min_block
+        self.proposal_vocab = proposal_vocab
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
@@ -298,7 +301,12 @@ class BlockwiseGenerator(nn.Module):
         if self.block_size == 1:
             return features.new_empty(features.size(0), 0, dtype=torch.long)
         decoder = self.model.decoder
-        logits = decoder.output_layer(decoder.block_features(features)[:, 1 : self.block_size])
+        heads = decoder.block_features(features)[:, 1 : self.block_size]  # b x k-1 x C
+        if self.proposal_vocab:
+            # The first rows of the projection: a view, no copy.
+            logits = F.linear(heads, decoder.output_projection.weight[: self.proposal_vocab])
+        else:
+            logits = decoder.output_layer(heads)
         logits[..., self.pad] = -math.inf  # a pad in the block would read as padding
         return logits.argmax(dim=-1)
 

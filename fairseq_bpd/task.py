@@ -42,6 +42,15 @@ class TranslationBlockwiseConfig(TranslationConfig):
             "(1: exactly greedy; larger trades quality for fewer decoder invocations)"
         },
     )
+    blockwise_proposal_vocab: int = field(
+        default=0,
+        metadata={
+            "help": "heads 2..k propose only among the first N entries of the target "
+            "dictionary (fairseq-preprocess sorts it by frequency): their projection "
+            "costs N/V of the full one; output stays exactly greedy, rare tokens are "
+            "just never proposed (0: the whole dictionary)"
+        },
+    )
 
 
 def _flag_given(name):
@@ -76,6 +85,7 @@ class TranslationBlockwiseTask(TranslationTask):
             block_size=self.cfg.block_size or decoder.block_size,
             topk=self.cfg.blockwise_topk,
             min_block=self.cfg.blockwise_min_block,
+            proposal_vocab=self.cfg.blockwise_proposal_vocab,
             max_len_a=getattr(args, "max_len_a", 0),
             max_len_b=getattr(args, "max_len_b", 200),
             min_len=getattr(args, "min_len", 1),
@@ -130,3 +140,10 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse(f"--blockwise-topk must be at least 1 (got {self.cfg.blockwise_topk})")
         if self.cfg.blockwise_min_block < 1:
             refuse(f"--blockwise-min-block must be at least 1 (got {self.cfg.blockwise_min_block})")
+        vocab = self.cfg.blockwise_proposal_vocab
+        if vocab < 0 or vocab > len(self.target_dictionary):
+            refuse(f"--blockwise-proposal-vocab must be between 0 (all) and the dictionary's "
+                   f"{len(self.target_dictionary)} entries (got {vocab})")
+        if vocab and getattr(decoder, "output_projection", None) is None:
+            refuse("--blockwise-proposal-vocab needs the decoder's plain output projection "
+                   "(this model has an adaptive softmax)")

@@ -48,6 +48,7 @@ def commands(tiny, tmp_path):
         "block size 2": partial(ours, "--blockwise", "--block-size", 2, "--print-step", "--batch-size", 32),
         "topk 2": partial(ours, "--blockwise", "--blockwise-topk", 2, "--print-step", "--batch-size", 32),
         "min block 2": partial(ours, "--blockwise", "--blockwise-min-block", 2, "--print-step", "--batch-size", 32),
+        "proposal vocab": partial(ours, "--blockwise", "--blockwise-proposal-vocab", 8, "--batch-size", 32),
     }
 
 
@@ -153,6 +154,11 @@ def test_smaller_block_size_is_still_greedy(runs):
     smaller = generated(runs, "block size 2")
     assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(smaller))
     assert set(summary(smaller).histogram) <= {1, 2}
+
+
+def test_proposal_shortlist_is_still_greedy(runs):
+    assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")),
+                           hypotheses(generated(runs, "proposal vocab")))
 
 
 @pytest.mark.parametrize("relaxation", ["topk 2", "min block 2"])

@@ -87,6 +87,23 @@ def test_random_heads_give_greedy_output(data_dir, seed, bsz):
     assert_same(greedy(model, task, sample), blockwise(model, task, sample, 3)[0])
 
 
+@pytest.mark.parametrize("vocab", [5, 9])
+def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=2)
+    sample = random_sample(task, bsz=7, seed=2)
+    proposed = []
+
+    class Recorded(BlockwiseGenerator):
+        def propose(self, *args):
+            proposed.append(super().propose(*args))
+            return proposed[-1]
+
+    hypos, _ = blockwise(model, task, sample, 4, Recorded, proposal_vocab=vocab)
+    assert_same(greedy(model, task, sample), hypos)
+    assert max(int(p.max()) for p in proposed if p.numel()) < vocab
+    assert len(task.target_dictionary) > vocab
+
+
 def test_batch_sizes_agree_with_each_other(data_dir):
     task, model, _ = build(data_dir, "--block-size", "4", seed=5)
     sample = random_sample(task, bsz=64, seed=5)
