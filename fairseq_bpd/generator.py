@@ -301,7 +301,7 @@ class BlockwiseGenerator(nn.Module):
         if self.block_size == 1:
             return features.new_empty(features.size(0), 0, dtype=torch.long)
         decoder = self.model.decoder
-        heads = decoder.block_features(features)[:, 1 : self.block_size]  # b x k-1 x C
+        heads = decoder.block_features(features, self.block_size)[:, 1:]  # b x k-1 x C
         if self.proposal_vocab:
             # The first rows of the projection: a view, no copy.
             logits = F.linear(heads, decoder.output_projection.weight[: self.proposal_vocab])

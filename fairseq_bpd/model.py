@@ -70,10 +70,14 @@ class ProposalHeads(nn.Module):
         nn.init.zeros_(self.fc2.weight)
         nn.init.zeros_(self.fc2.bias)
 
-    def forward(self, x):
-        """x: B x T x C -> B x T x num_heads x C."""
-        h = self.dropout(self.fc2(self.activation_fn(self.fc1(x))))
-        return x.unsqueeze(-2) + h.view(*x.shape[:-1], self.num_heads, x.size(-1))
+    def forward(self, x, count=None):
+        """x: B x T x C -> B x T x count x C, the first `count` heads (default all)."""
+        count = self.num_heads if count is None else count
+        hidden = self.activation_fn(self.fc1(x))
+        # fc2's rows are the heads' slices: a smaller block computes only its own.
+        rows = count * x.size(-1)
+        h = self.dropout(nn.functional.linear(hidden, self.fc2.weight[:rows], self.fc2.bias[:rows]))
+        return x.unsqueeze(-2) + h.view(*x.shape[:-1], count, x.size(-1))
 
 
 class BlockwiseDecoder(TransformerDecoderBase):
@@ -94,19 +98,20 @@ class BlockwiseDecoder(TransformerDecoderBase):
                 cfg.dropout,
             )
 
-    def block_features(self, x):
-        """Features of all k heads: B x T x C -> B x T x k x C (head 1 first)."""
-        if self.heads is None:
+    def block_features(self, x, count=None):
+        """Features of the first `count` heads (default all k): B x T x C -> B x T x count x C."""
+        count = self.block_size if count is None else count
+        if self.heads is None or count == 1 and self.head_layout == "base":
             return x.unsqueeze(-2)
         if self.head_layout == "paper":
-            return self.heads(x)
-        return torch.cat([x.unsqueeze(-2), self.heads(x)], dim=-2)
+            return self.heads(x, count)
+        return torch.cat([x.unsqueeze(-2), self.heads(x, count - 1)], dim=-2)
 
     def head1_features(self, x):
         """Features of the next-token head alone: B x T x C -> B x T x C."""
         if self.head_layout == "base":
             return x
-        return self.block_features(x)[..., 0, :]
+        return self.block_features(x, 1)[..., 0, :]
 
     def forward(
         self,

@@ -94,6 +94,23 @@ def test_heads_are_independent_slices(data_dir, layout, first):
         block = changed
 
 
+@pytest.mark.parametrize("layout", ["base", "paper"])
+def test_the_first_heads_alone_match_all_heads(data_dir, layout):
+    """A decoding block smaller than k computes only its heads' slices of the layer."""
+    task, model, _ = build(data_dir, "--block-size", "4", "--head-layout", layout)
+    sample = translation_batch(task, 3, seed=6)
+    net_input = sample["net_input"]
+    encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+    x, _ = model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
+    every = model.decoder.block_features(x)
+    assert torch.equal(every, run(model, sample)[1])
+    for count in (1, 2, 3):
+        first = model.decoder.block_features(x, count)
+        assert first.shape == every[:, :, :count].shape
+        assert torch.allclose(first, every[:, :, :count], rtol=0, atol=1e-12)
+    assert torch.allclose(model.decoder.head1_features(x), every[:, :, 0], rtol=0, atol=1e-12)
+
+
 def test_base_layout_head1_is_the_decoder_output(data_dir):
     task, model, _ = build(data_dir, "--block-size", "3")
     sample = translation_batch(task, 4, seed=4)
