@@ -7,7 +7,7 @@ does only what is missing; `--report` rewrites the page from the cache alone.
 One k=10 model per (targets, training mode) is decoded with --block-size 2..10.
 
   .venv/bin/python scripts/benchmark.py [--base work/base/checkpoint_last.pt]
-      [--head-updates 600] [--head-hours 0.25] [--distill-sentences 10000] [--report]
+      [--head-updates 150] [--distill-sentences 10000] [--report]
 """
 import argparse
 import json
@@ -55,15 +55,14 @@ def cached(name, compute):
     return result
 
 
-def train(base, head_updates, head_hours, distill_sentences):
+def train(base, head_updates, distill_sentences):
     if not os.path.exists(os.path.join(DISTILLED, "dict.en.txt")):
         sh(["scripts/distill.sh", DATA, base, DISTILLED, "--user-dir", "fairseq_bpd"],
            env={"SENTENCES": str(distill_sentences)})
     data = {"original": DATA, "distilled": DISTILLED}
     for targets, mode in MODES:
         sh(["scripts/train_heads.sh", data[targets], base, os.path.join(WORK, f"{targets}-{mode}-k{K}"),
-            str(K), mode, "--head-ffn-dim", "128", "--max-update", str(head_updates),
-            "--stop-time-hours", str(head_hours)])
+            str(K), mode, "--head-ffn-dim", "128", "--max-update", str(head_updates)])
 
 
 def checkpoint(targets, mode):
@@ -313,7 +312,7 @@ def report(results, args, path="docs/results.md"):
             "## Commands", "", "```",
             "scripts/train_base.sh data/bible-bin work/base --max-update 1400",
             f".venv/bin/python scripts/benchmark.py --base {args.base} --head-updates {args.head_updates} "
-            f"--head-hours {args.head_hours} --distill-sentences {args.distill_sentences} "
+            f"--distill-sentences {args.distill_sentences} "
             f"--timing-sentences {args.timing_sentences} --repeats {args.repeats}",
             "```", "", "which runs `scripts/distill.sh` (beam 4, lenpen 0.6) and `scripts/train_heads.sh` "
             f"(k={K}, `--head-ffn-dim 128`) for each row, then `scripts/compare.py`'s `compare()` for "
@@ -327,8 +326,7 @@ def main():
     global WORK, DISTILLED
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default="work/base/checkpoint_last.pt")
-    ap.add_argument("--head-updates", type=int, default=600)
-    ap.add_argument("--head-hours", type=float, default=0.25, help="training time limit per head model")
+    ap.add_argument("--head-updates", type=int, default=150)
     ap.add_argument("--distill-sentences", type=int, default=10000)
     ap.add_argument("--timing-sentences", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
@@ -343,7 +341,7 @@ def main():
     if not os.path.exists(args.base):
         raise SystemExit(f"error: base checkpoint not found: {args.base} (scripts/train_base.sh trains it)")
     if not args.report:
-        train(args.base, args.head_updates, args.head_hours, args.distill_sentences)
+        train(args.base, args.head_updates, args.distill_sentences)
     if not args.only_train:
         report(measure(args.timing_sentences, args.repeats, args.test_sentences), args)
 
