@@ -36,6 +36,7 @@ PAPER_TABLE1 = {("distilled", "finetune"): {8: "4.69 (26.11; greedy 26.00)"}}
 PAPER_TOPK = {(10, 2): "5.67"}
 PAPER_SPEEDUP = {8: "3.31x"}
 SHORTLIST = 2000  # --blockwise-proposal-vocab for the second speed column
+B32_BATCHES = 10  # batches of 32 timed at batch size 32
 
 
 def sh(argv, env=None):
@@ -61,8 +62,10 @@ def train(base, head_updates, distill_sentences):
            env={"SENTENCES": str(distill_sentences)})
     data = {"original": DATA, "distilled": DISTILLED}
     for targets, mode in MODES:
-        sh(["scripts/train_heads.sh", data[targets], base, os.path.join(WORK, f"{targets}-{mode}-k{K}"),
-            str(K), mode, "--head-ffn-dim", "128", "--max-update", str(head_updates)])
+        save = os.path.join(WORK, f"{targets}-{mode}-k{K}")
+        os.makedirs(save, exist_ok=True)
+        sh(["scripts/train_heads.sh", data[targets], base, save, str(K), mode, "--head-ffn-dim", "128",
+            "--max-update", str(head_updates), "--log-file", os.path.join(save, "train.log")])
 
 
 def checkpoint(targets, mode):
@@ -113,7 +116,7 @@ def profile(model, task, samples, block_size):
     blockwise.report_at_exit.detach()
     timed(model.decoder, "forward_block", "decoder pass over the block")
     timed(blockwise, "head1_lprobs", "head-1 projection and log-softmax over the block")
-    timed(blockwise, "propose", "heads 2..k: proposal projection")
+    timed(blockwise, "propose", "heads 2..k: feed-forward layer and projection (proposals)")
     roll_back = bpd.roll_back
     timed(bpd, "roll_back", "cache roll-back")
     greedy_hypos, greedy_seconds = decode(greedy, model, samples)
@@ -167,7 +170,7 @@ def measure(timing_sentences, repeats, test_sentences=None):
             results[f"speed-b1-k{k}-shortlist"] = cached(f"speed-b1-k{k}-shortlist", lambda: compare(
                 model, task, timing, references, k, repeats=repeats, proposal_vocab=SHORTLIST))
         results["speed-b32-k8"] = cached("speed-b32-k8", lambda: compare(
-            model, task, samples, references, 8, repeats=repeats))
+            model, task, samples[:B32_BATCHES], references, 8, repeats=repeats))
         results["profile-k8"] = cached("profile-k8", lambda: profile(model, task, timing[:50], 8))
         results["machine"] = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                               "processor": platform.processor() or platform.machine(),
@@ -222,6 +225,47 @@ def plots(results, directory="docs"):
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(directory, "speedup_vs_k.png"), dpi=120)
+
+
+def targets(results, updates):
+    """The issue's targets for distilled + fine-tuned k=8 against what was measured."""
+    quality, speed = results.get("distilled-finetune-k8-top1"), results.get("speed-b1-k8")
+    greedy, prof = results.get("distilled-finetune-greedy"), results.get("profile-k8")
+    if not (quality and speed and greedy and prof):
+        return []
+    exact = [f"{targets}, {mode} k={k}" for targets, mode in MODES for k in BLOCK_SIZES
+             if f"{targets}-{mode}-k{k}-top1" in results and differing(results, f"{targets}-{mode}-k{k}-top1")]
+    ratio = prof["blockwise_ms_per_invocation"] / prof["greedy_ms_per_step"]
+    block = quality["mean_accepted_block"]
+    return [
+        "", "## Targets (distilled + fine-tuned, k=8)", "",
+        "| target | wanted | measured | missed by |", "|---|---|---|---|",
+        f"| mean accepted block | ≥ 4.7 | {block:.2f} | {max(0.0, 4.7 - block):.2f} |",
+        f"| BLEU against greedy | within 1 | {quality['bleu']:.2f} vs {greedy['bleu']:.2f} | "
+        f"{max(0.0, abs(quality['bleu'] - greedy['bleu']) - 1):.2f} |",
+        f"| batch-1 speedup | ≥ 3x | {speed['speedup']:.2f}x | {max(0.0, 3 - speed['speedup']):.2f}x |",
+        f"| exact mode identical to greedy | 100% | "
+        f"{'100%' if not exact else 'not everywhere: ' + ', '.join(exact)} | "
+        f"{'-' if not exact else 'see the exactness table'} |",
+        "",
+        "What limits it:",
+        "",
+        f"- **Undertrained heads.** Each model trained its heads for "
+        f"{updates.get(('distilled', 'finetune'))} updates. A k=10 update costs about 7.6 s on "
+        "this CPU: ten label-smoothed softmaxes over 7,936 types for about 3,500 target tokens. "
+        "The paper trains for hundreds of thousands of steps on GPUs. The training logs' "
+        "teacher-forced `acc_h2..acc_h10` stay far below head 1's, so a block rarely survives "
+        "past its second token. The demo model (k=8, 400 fine-tuning updates, a weaker base) "
+        "reached a mean block of 2.82 and 1.62x at batch 1 (README).",
+        f"- **A block pass is not free on a CPU.** One invocation costs {ratio:.2f}x a greedy "
+        f"step ({prof['blockwise_ms_per_invocation']:.2f} ms vs {prof['greedy_ms_per_step']:.2f} ms, "
+        "table above). The decoder layers, the head-1 projection and the log-softmax all run "
+        "over k positions, and the proposals add k-1 more projection rows. On the paper's GPU "
+        "these extra rows cost almost nothing; here the speedup is about the mean block divided "
+        f"by {ratio:.2f}. Reaching 3x would take a mean block near {3 * ratio:.1f}.",
+        "- **Batch 32.** There a greedy step is already compute-bound, so the rejected "
+        "positions of every block are paid in full.",
+    ]
 
 
 def report(results, args, path="docs/results.md"):
@@ -307,6 +351,7 @@ def report(results, args, path="docs/results.md"):
         rest = prof["blockwise_ms_per_invocation"] - sum(
             ms for label, ms in prof["parts_ms"].items() if label != "greedy decoder step")
         out.append(f"| blockwise: verify, accept, commit (Python and small ops) | {rest:.2f} |")
+    out += targets(results, updates)
     out += ["", "![mean accepted block size against k](mean_block_vs_k.png)",
             "![speedup against k](speedup_vs_k.png)", "",
             "## Commands", "", "```",
@@ -328,7 +373,7 @@ def main():
     ap.add_argument("--base", default="work/base/checkpoint_last.pt")
     ap.add_argument("--head-updates", type=int, default=150)
     ap.add_argument("--distill-sentences", type=int, default=10000)
-    ap.add_argument("--timing-sentences", type=int, default=100)
+    ap.add_argument("--timing-sentences", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--test-sentences", type=int, default=None, help="score only the first N (a smoke run)")
     ap.add_argument("--work", default=WORK, help="where models and measurements are kept")
