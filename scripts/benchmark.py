@@ -199,32 +199,32 @@ def plots(results, directory="docs"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def curve(ax, name, field, **style):
+        """`field` of results[name(k)] against k, for the k that were measured."""
+        ks = [k for k in BLOCK_SIZES if name(k) in results]
+        ax.plot(ks, [results[name(k)][field] for k in ks], **style)
+
+    def save(fig, ax, ylabel, filename):
+        ax.set_xlabel("k (block size)")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(BLOCK_SIZES)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(directory, filename), dpi=120)
+
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for targets, mode in MODES:
-        ks = [k for k in BLOCK_SIZES if f"{targets}-{mode}-k{k}-top1" in results]
-        ax.plot(ks, [results[f"{targets}-{mode}-k{k}-top1"]["mean_accepted_block"] for k in ks],
-                marker="o", label=f"{targets}, {mode}")
-    ax.set_xlabel("k (block size)")
-    ax.set_ylabel("mean accepted block size")
-    ax.set_xticks(BLOCK_SIZES)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(directory, "mean_block_vs_k.png"), dpi=120)
+        curve(ax, lambda k: f"{targets}-{mode}-k{k}-top1", "mean_accepted_block",
+              marker="o", label=f"{targets}, {mode}")
+    save(fig, ax, "mean accepted block size", "mean_block_vs_k.png")
 
-    ks = [k for k in BLOCK_SIZES if f"speed-b1-k{k}" in results]
     fig, ax = plt.subplots(figsize=(5, 3.4))
-    ax.plot(ks, [results[f"speed-b1-k{k}"]["speedup"] for k in ks], marker="o", label="ours, batch 1, CPU")
-    ks = [k for k in BLOCK_SIZES if f"speed-b1-k{k}-shortlist" in results]
-    ax.plot(ks, [results[f"speed-b1-k{k}-shortlist"]["speedup"] for k in ks], marker="s",
-            label=f"ours, proposals from {SHORTLIST} types")
+    curve(ax, lambda k: f"speed-b1-k{k}", "speedup", marker="o", label="ours, batch 1, CPU")
+    curve(ax, lambda k: f"speed-b1-k{k}-shortlist", "speedup", marker="s",
+          label=f"ours, proposals from {SHORTLIST} types")
     ax.plot([8], [3.31], marker="*", markersize=12, linestyle="none", label="paper, k=8 (GPU)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("k (block size)")
-    ax.set_ylabel("speedup over fairseq --beam 1")
-    ax.set_xticks(BLOCK_SIZES)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(directory, "speedup_vs_k.png"), dpi=120)
+    save(fig, ax, "speedup over fairseq --beam 1", "speedup_vs_k.png")
 
 
 def target_rows(results, updates):

@@ -227,11 +227,10 @@ def test_recipe_scripts_resume_their_checkpoints(tmp_path):
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
 
     base = tmp_path / "base"
-    recipe("train_base.sh", data, str(base), "--max-update", "1")
-    resumed = recipe("train_base.sh", data, str(base), "--max-update", "2")
-    assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 1 updates\)", resumed), resumed[-2000:]
-    heads = tmp_path / "heads"
-    recipe("train_heads.sh", data, str(base / "checkpoint_last.pt"), str(heads), "2", "frozen", "--max-update", "1")
-    resumed = recipe("train_heads.sh", data, str(base / "checkpoint_last.pt"), str(heads), "2", "frozen",
-                     "--max-update", "2")
-    assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 1 updates\)", resumed), resumed[-2000:]
+    for name, args in (("train_base.sh", (data, str(base))),
+                       ("train_heads.sh", (data, str(base / "checkpoint_last.pt"), str(tmp_path / "heads"),
+                                           "2", "frozen"))):
+        recipe(name, *args, "--max-update", "1")
+        resumed = recipe(name, *args, "--max-update", "2")
+        assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 1 updates\)", resumed), \
+            (name, resumed[-2000:])
