@@ -120,9 +120,16 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def head_loss(self, model, block, target, i, reduce=True):
         """Label-smoothed loss and nll of head i (0-based), its log-probs and its target."""
-        logits = model.decoder.output_layer(block[:, :, i])
-        lprobs = model.get_normalized_probs((logits, None), log_probs=True)
         target_i = shift_target(target, i, self.padding_idx)
+        vocab = getattr(model.decoder, "head_vocab", 0)
+        if i > 0 and vocab:
+            # Such a head only ever proposes the first `vocab` entries: rarer targets
+            # are outside its softmax, so they are left out of its loss.
+            logits = model.decoder.proposal_logits(block[:, :, i])
+            target_i = target_i.masked_fill(target_i >= vocab, self.padding_idx)
+        else:
+            logits = model.decoder.output_layer(block[:, :, i])
+        lprobs = model.get_normalized_probs((logits, None), log_probs=True)
         loss_i, nll_i = label_smoothed_nll_loss(
             lprobs.view(-1, lprobs.size(-1)),
             target_i.reshape(-1),

@@ -13,7 +13,6 @@ from collections import Counter
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 logger = logging.getLogger(__name__)
@@ -124,6 +123,7 @@ class BlockwiseGenerator(nn.Module):
         topk=1,
         min_block=1,
         proposal_vocab=0,
+        confidence=0.0,
         max_len_a=0,
         max_len_b=200,
         max_len=0,
@@ -139,7 +139,9 @@ class BlockwiseGenerator(nn.Module):
         self.model = model
         self.block_size = block_size
         self.topk, self.min_block = topk, min_block
-        self.proposal_vocab = proposal_vocab
+        self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
+        # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
+        self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
@@ -292,8 +294,12 @@ class BlockwiseGenerator(nn.Module):
                 )[0]
 
     def propose(self, features, sentence, tokens, length):
-        """Heads 2..k at the last accepted position: features b x C -> b x k-1 tokens.
+        """Heads 2..k at the last accepted position: features b x C -> b x n-1 tokens.
 
+        n is k, or less under --blockwise-confidence: the block ends before the first
+        proposal at which the product of the heads' top probabilities so far falls
+        below it (the longest such run over the batch), since every block position
+        costs decoder and projection work whether or not it is accepted.
         The heads need only `features`; the batch's sentence ids, tokens (b x L) and
         lengths (b) are there for proposal models that read the prefix (the tests'
         oracles).
@@ -302,13 +308,13 @@ class BlockwiseGenerator(nn.Module):
             return features.new_empty(features.size(0), 0, dtype=torch.long)
         decoder = self.model.decoder
         heads = decoder.block_features(features, self.block_size)[:, 1:]  # b x k-1 x C
-        if self.proposal_vocab:
-            # The first rows of the projection: a view, no copy.
-            logits = F.linear(heads, decoder.output_projection.weight[: self.proposal_vocab])
-        else:
-            logits = decoder.output_layer(heads)
+        logits = decoder.proposal_logits(heads, self.proposal_vocab)
         logits[..., self.pad] = -math.inf  # a pad in the block would read as padding
-        return logits.argmax(dim=-1)
+        if self.log_confidence == -math.inf:
+            return logits.argmax(dim=-1)
+        best, proposals = logits.log_softmax(dim=-1).max(dim=-1)  # b x k-1
+        confident = best.cumsum(dim=1) >= self.log_confidence  # a prefix: the sums only fall
+        return proposals[:, : int(confident.sum(dim=1).max())]
 
     def hypothesis(self, tokens, scores, attn, row, length, invocations, src_length):
         """fairseq's hypothesis dict for one finished sentence of `length` tokens (EOS last)."""

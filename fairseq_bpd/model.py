@@ -51,6 +51,14 @@ class BlockwiseHeadsConfig(FairseqDataclass):
             "decoder's ffn size, so k*d_ffn in all); smaller keeps large k cheap"
         },
     )
+    head_vocab: int = field(
+        default=0,
+        metadata={
+            "help": "heads 2..k predict only among the first N entries of the target "
+            "dictionary (fairseq-preprocess sorts it by frequency): their training "
+            "loss and their proposals cost N/V of the full softmax (0: all)"
+        },
+    )
 
 
 class ProposalHeads(nn.Module):
@@ -87,6 +95,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
         self.block_size = cfg.block_size
         self.head_layout = cfg.head_layout
+        self.head_vocab = getattr(cfg, "head_vocab", 0) or 0
         num_ffn_heads = self.block_size - (1 if self.head_layout == "base" else 0)
         self.heads = None
         if num_ffn_heads > 0:
@@ -106,6 +115,17 @@ class BlockwiseDecoder(TransformerDecoderBase):
         if self.head_layout == "paper":
             return self.heads(x, count)
         return torch.cat([x.unsqueeze(-2), self.heads(x, count - 1)], dim=-2)
+
+    def proposal_logits(self, x, vocab=None):
+        """Logits of heads 2..k: ... x C -> ... x N, the first `vocab` dictionary entries.
+
+        vocab defaults to the model's --head-vocab; 0 means the whole dictionary.
+        The shortlist is a view of the projection's first rows, no copy.
+        """
+        vocab = self.head_vocab if vocab is None else vocab
+        if not vocab:
+            return self.output_layer(x)
+        return nn.functional.linear(x, self.output_projection.weight[:vocab])
 
     def head1_features(self, x):
         """Features of the next-token head alone: B x T x C -> B x T x C."""
@@ -231,6 +251,11 @@ class BlockwiseTransformerModel(TransformerModel):
         blockwise_base_architecture(args)
         if args.block_size < 1:
             raise ValueError(f"--block-size must be at least 1 (got {args.block_size})")
+        vocab = len(task.target_dictionary)
+        if not 0 <= args.head_vocab <= vocab:
+            raise ValueError(f"--head-vocab must be between 0 (all) and the dictionary's {vocab} entries (got {args.head_vocab})")
+        if args.head_vocab and args.adaptive_softmax_cutoff:
+            raise ValueError("--head-vocab needs the decoder's plain output projection, not --adaptive-softmax-cutoff")
         if args.freeze_base and args.block_size == 1 and args.head_layout == "base":
             raise ValueError("--freeze-base with --block-size 1 and --head-layout base leaves nothing to train")
         model = super().build_model(args, task)

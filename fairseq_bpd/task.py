@@ -42,13 +42,21 @@ class TranslationBlockwiseConfig(TranslationConfig):
             "(1: exactly greedy; larger trades quality for fewer decoder invocations)"
         },
     )
+    blockwise_confidence: float = field(
+        default=0.0,
+        metadata={
+            "help": "end a block before the first proposal at which the product of the "
+            "heads' top probabilities falls below P: fewer positions to verify when "
+            "the heads are unsure; output stays exactly greedy (0: always k)"
+        },
+    )
     blockwise_proposal_vocab: int = field(
         default=0,
         metadata={
             "help": "heads 2..k propose only among the first N entries of the target "
             "dictionary (fairseq-preprocess sorts it by frequency): their projection "
             "costs N/V of the full one; output stays exactly greedy, rare tokens are "
-            "just never proposed (0: the whole dictionary)"
+            "just never proposed (0: the checkpoint's --head-vocab, else the whole dictionary)"
         },
     )
 
@@ -86,6 +94,7 @@ class TranslationBlockwiseTask(TranslationTask):
             topk=self.cfg.blockwise_topk,
             min_block=self.cfg.blockwise_min_block,
             proposal_vocab=self.cfg.blockwise_proposal_vocab,
+            confidence=self.cfg.blockwise_confidence,
             max_len_a=getattr(args, "max_len_a", 0),
             max_len_b=getattr(args, "max_len_b", 200),
             min_len=getattr(args, "min_len", 1),
@@ -140,6 +149,8 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse(f"--blockwise-topk must be at least 1 (got {self.cfg.blockwise_topk})")
         if self.cfg.blockwise_min_block < 1:
             refuse(f"--blockwise-min-block must be at least 1 (got {self.cfg.blockwise_min_block})")
+        if not 0 <= self.cfg.blockwise_confidence <= 1:
+            refuse(f"--blockwise-confidence must be between 0 and 1 (got {self.cfg.blockwise_confidence})")
         vocab = self.cfg.blockwise_proposal_vocab
         if vocab < 0 or vocab > len(self.target_dictionary):
             refuse(f"--blockwise-proposal-vocab must be between 0 (all) and the dictionary's "

@@ -6,7 +6,7 @@ warm-up; times are decoding only (data and model loading are reported apart) and
 the ratio is of medians over --repeats runs.
 
   .venv/bin/python scripts/compare.py --data data/bible-bin --path ckpt.pt \
-      [--batch-size 1] [--block-size K] [--topk 1] [--proposal-vocab N] [--repeats 3] [--max-sentences 200]
+      [--batch-size 1] [--block-size K] [--topk 1] [--proposal-vocab N] [--confidence P] [--repeats 3] [--max-sentences 200]
 """
 import argparse
 import json
@@ -63,14 +63,14 @@ def bleu(task, hypos, references, lang):
 
 
 def compare(model, task, samples, references, block_size, topk=1, min_block=1, repeats=3, lang="en",
-            proposal_vocab=0):
+            proposal_vocab=0, confidence=0.0):
     """Medians of greedy and blockwise decoding times, BLEU, exact matches and block statistics."""
     from fairseq_bpd.generator import BlockwiseGenerator, BlockwiseStats
 
     tgt_dict = task.target_dictionary
     greedy = SequenceGenerator([model], tgt_dict, beam_size=1)
     blockwise = BlockwiseGenerator(model, tgt_dict, block_size=block_size, topk=topk, min_block=min_block,
-                                   proposal_vocab=proposal_vocab)
+                                   proposal_vocab=proposal_vocab, confidence=confidence)
     blockwise.report_at_exit.detach()
     decode(greedy, model, samples[:1])  # warm-up
     decode(blockwise, model, samples[:1])
@@ -87,6 +87,7 @@ def compare(model, task, samples, references, block_size, topk=1, min_block=1, r
     return {
         "sentences": len(greedy_out),
         "block_size": block_size, "topk": topk, "min_block": min_block, "proposal_vocab": proposal_vocab,
+        "confidence": confidence,
         "greedy_seconds": median["greedy"], "blockwise_seconds": median["blockwise"],
         "speedup": median["greedy"] / median["blockwise"],
         "greedy_invocations": sum(len(h["tokens"]) for h in greedy_out.values()),
@@ -111,6 +112,7 @@ def main():
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--min-block", type=int, default=1)
     ap.add_argument("--proposal-vocab", type=int, default=0, help="as --blockwise-proposal-vocab (0: all)")
+    ap.add_argument("--confidence", type=float, default=0.0, help="as --blockwise-confidence (0: off)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-sentences", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -125,7 +127,8 @@ def main():
     references = open(os.path.join(args.data, "raw", f"{args.subset}.{task.cfg.target_lang}")).read().splitlines()
     samples = batches(task, args.subset, args.batch_size, args.max_sentences)
     result = compare(model, task, samples, references, args.block_size or model.decoder.block_size,
-                     args.topk, args.min_block, args.repeats, task.cfg.target_lang, args.proposal_vocab)
+                     args.topk, args.min_block, args.repeats, task.cfg.target_lang, args.proposal_vocab,
+                     args.confidence)
     result.update(batch_size=args.batch_size, load_seconds=load_seconds, checkpoint=args.path)
     print(json.dumps(result, indent=1))
     if args.json:

@@ -49,6 +49,7 @@ def commands(tiny, tmp_path):
         "topk 2": partial(ours, "--blockwise", "--blockwise-topk", 2, "--print-step", "--batch-size", 32),
         "min block 2": partial(ours, "--blockwise", "--blockwise-min-block", 2, "--print-step", "--batch-size", 32),
         "proposal vocab": partial(ours, "--blockwise", "--blockwise-proposal-vocab", 8, "--batch-size", 32),
+        "confidence": partial(ours, "--blockwise", "--blockwise-confidence", 0.5, "--print-step", "--batch-size", 32),
     }
 
 
@@ -156,9 +157,9 @@ def test_smaller_block_size_is_still_greedy(runs):
     assert set(summary(smaller).histogram) <= {1, 2}
 
 
-def test_proposal_shortlist_is_still_greedy(runs):
-    assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")),
-                           hypotheses(generated(runs, "proposal vocab")))
+@pytest.mark.parametrize("run", ["proposal vocab", "confidence"])
+def test_proposal_shortlist_and_confidence_cut_are_still_greedy(runs, run):
+    assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(generated(runs, run)))
 
 
 @pytest.mark.parametrize("relaxation", ["topk 2", "min block 2"])

@@ -176,3 +176,28 @@ def test_random_head_trains_one_head_per_batch(data_dir):
     model.eval()  # validation scores every head
     _, _, log = crit(model, sample)
     assert {f"loss_h{h}" for h in (1, 2, 3, 4)} <= set(log) and "block_sum" in log
+
+
+def test_head_vocab_trains_heads_2_to_k_on_a_shortlist(data_dir):
+    vocab = 12
+    task, model, _ = build(data_dir, "--block-size", "3", "--head-vocab", str(vocab))
+    sample = translation_batch(task, 6, seed=9)
+    target, pad = sample["target"], task.target_dictionary.pad()
+    assert target.ge(vocab).any() and target.lt(vocab).logical_and(target.ne(pad)).any()
+    _, _, log = criterion(task)(model, sample)
+    for h in (2, 3):  # rarer targets are left out of the shortlisted heads' loss
+        shifted = shift_target(target, h - 1, pad)
+        assert log[f"ntokens_h{h}"] == int((shifted.ne(pad) & shifted.lt(vocab)).sum())
+    assert log["ntokens_h1"] == int(target.ne(pad).sum())  # head 1 keeps the whole dictionary
+    # Head 2's loss is the label-smoothed loss of a softmax over the first `vocab` rows only.
+    block = model(**sample["net_input"])[1]["block_features"]
+    logits = F.linear(block[:, :, 1], model.decoder.output_projection.weight[:vocab])
+    shifted = shift_target(target, 1, pad)
+    shifted = shifted.masked_fill(shifted >= vocab, pad)
+    lprobs = F.log_softmax(logits.float(), dim=-1)
+    nll = -lprobs.gather(2, shifted.clamp(max=vocab - 1)[..., None])[..., 0]
+    smooth = -lprobs.sum(dim=-1)
+    keep = shifted.ne(pad)
+    eps = SMOOTHING / (vocab - 1)
+    expected = ((1 - SMOOTHING - eps) * nll + eps * smooth)[keep].sum()
+    assert torch.allclose(log["loss_h2"].float(), expected, rtol=1e-5)

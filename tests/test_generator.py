@@ -87,9 +87,11 @@ def test_random_heads_give_greedy_output(data_dir, seed, bsz):
     assert_same(greedy(model, task, sample), blockwise(model, task, sample, 3)[0])
 
 
-@pytest.mark.parametrize("vocab", [5, 9])
-def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab):
-    task, model, _ = build(data_dir, "--block-size", "4", seed=2)
+@pytest.mark.parametrize("vocab,trained", [(5, False), (9, False), (9, True)])
+def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab, trained):
+    # trained: the heads were trained with --head-vocab, which decoding then uses by default.
+    extra = ["--head-vocab", str(vocab)] if trained else []
+    task, model, _ = build(data_dir, "--block-size", "4", *extra, seed=2)
     sample = random_sample(task, bsz=7, seed=2)
     proposed = []
 
@@ -98,10 +100,43 @@ def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab):
             proposed.append(super().propose(*args))
             return proposed[-1]
 
-    hypos, _ = blockwise(model, task, sample, 4, Recorded, proposal_vocab=vocab)
+    hypos, _ = blockwise(model, task, sample, 4, Recorded, proposal_vocab=0 if trained else vocab)
     assert_same(greedy(model, task, sample), hypos)
     assert max(int(p.max()) for p in proposed if p.numel()) < vocab
     assert len(task.target_dictionary) > vocab
+
+
+@pytest.mark.parametrize("bsz", [1, 7])
+def test_blocks_cut_by_confidence_give_greedy_output(data_dir, bsz):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=3)
+    sample = random_sample(task, bsz=bsz, seed=3)
+    expected = greedy(model, task, sample)
+    widths = {}
+
+    class Recorded(BlockwiseGenerator):
+        def propose(self, features, *args):
+            proposals = super().propose(features, *args)
+            # What the cut must have kept: the longest run of joint confidence >= P.
+            heads = self.model.decoder.block_features(features, self.block_size)[:, 1:]
+            logits = self.model.decoder.output_layer(heads)
+            logits[..., self.pad] = -math.inf
+            joint = logits.log_softmax(dim=-1).max(dim=-1)[0].cumsum(dim=1)
+            kept = int((joint >= self.log_confidence).sum(dim=1).max())
+            assert proposals.size(1) == kept
+            widths.setdefault(self.log_confidence, []).append(kept)
+            return proposals
+
+    invocations = {}
+    for confidence in (0.0, 1e-30, 0.05, 0.3, 1.0):
+        hypos, generator = blockwise(model, task, sample, 5, Recorded, confidence=confidence)
+        assert_same(expected, hypos)
+        invocations[confidence] = generator.stats.invocations
+    assert invocations[1e-30] == invocations[0.0]
+    # At P=1 no proposal is confident enough: one token per invocation, as greedy.
+    assert set(widths[math.log(1.0)]) == {0}
+    assert invocations[1.0] == sum(len(e["tokens"]) for e in expected)
+    cut = widths[math.log(0.3)]
+    assert max(cut) > 0 and min(cut) < 4  # some blocks cut, not all to nothing
 
 
 def test_batch_sizes_agree_with_each_other(data_dir):

@@ -161,6 +161,12 @@ def test_block_size_zero_is_refused(data_dir):
         build(data_dir, "--block-size", "0")
 
 
+@pytest.mark.parametrize("vocab", ["-1", "29"])  # the test dictionary has 28 entries
+def test_head_vocab_outside_the_dictionary_is_refused(data_dir, vocab):
+    with pytest.raises(ValueError, match="--head-vocab must be between 0 \\(all\\) and the dictionary's 28"):
+        build(data_dir, "--block-size", "3", "--head-vocab", vocab)
+
+
 def test_freeze_base_with_nothing_to_train_is_refused(data_dir):
     with pytest.raises(ValueError, match="--freeze-base"):
         build(data_dir, "--block-size", "1", "--freeze-base")

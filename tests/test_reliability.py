@@ -103,6 +103,7 @@ BAD_REQUESTS = {
     "--print-alignment": (["--print-alignment"], "--print-alignment"),
     "--blockwise-topk 0": (["--blockwise-topk", 0], "--blockwise-topk must be at least 1"),
     "--blockwise-min-block 0": (["--blockwise-min-block", 0], "--blockwise-min-block must be at least 1"),
+    "--blockwise-confidence 1.5": (["--blockwise-confidence", 1.5], "--blockwise-confidence must be between 0 and 1"),
     "--blockwise-proposal-vocab -1": (["--blockwise-proposal-vocab", -1],
                                       "--blockwise-proposal-vocab must be between 0 \\(all\\) and"),
     "--blockwise-proposal-vocab 10000": (["--blockwise-proposal-vocab", 10000],
