@@ -15,6 +15,15 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 
 @dataclass
 class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    head1_weight: float = field(
+        default=1.0,
+        metadata={
+            "help": "weight of head 1's loss against each other head's (1: the paper's "
+            "plain mean). Fine-tuning a pretrained base with 1 lets the k-1 proposal "
+            "losses pull the shared decoder and embeddings away from next-token "
+            "prediction; k-1 gives head 1 half of the loss"
+        },
+    )
     random_head: bool = field(
         default=False,
         metadata={
@@ -63,9 +72,13 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         ignore_prefix_size=0,
         report_accuracy=False,
         random_head=False,
+        head1_weight=1.0,
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.random_head = random_head
+        if head1_weight <= 0:
+            raise ValueError(f"--head1-weight must be greater than 0 (got {head1_weight})")
+        self.head1_weight = head1_weight
 
     def forward(self, model, sample, reduce=True):
         net_output = model(**sample["net_input"])
@@ -86,9 +99,10 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         }
         loss = 0.0
         predictions = []
-        for i in heads:
+        weights = [self.head1_weight if i == 0 and len(heads) > 1 else 1.0 for i in heads]
+        for i, weight in zip(heads, weights):
             loss_i, nll_i, lprobs, target_i = self.head_loss(model, block, target, i, reduce)
-            loss = loss + loss_i
+            loss = loss + weight * loss_i
             mask = target_i.ne(self.padding_idx)
             prediction = lprobs.argmax(-1)
             predictions.append(prediction)
@@ -108,7 +122,7 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             # that nll_loss and ppl stay the base model's.
             with torch.no_grad():
                 logging_output["nll_loss"] = self.head_loss(model, block, target, 0, reduce)[1].data
-        loss = loss / len(heads)
+        loss = loss / sum(weights)
         logging_output["loss"] = loss.data
         if len(predictions) == k:
             accepted, positions = teacher_forced_block(

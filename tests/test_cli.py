@@ -1,14 +1,19 @@
 """fairseq's own CLIs and hub interface with --user-dir fairseq_bpd: blockwise decoding is greedy decoding."""
+import json
+import os
 import re
+import subprocess
+import sys
 from functools import partial
 
 import pytest
 
 from cli_support import (
-    BLOCK_SIZE, PLUGIN, SUMMARY, TRAIN, Runs, assert_same_hypotheses, hypotheses, run,
+    BLOCK_SIZE, ENV, PLUGIN, SUMMARY, TRAIN, Runs, assert_same_hypotheses, hypotheses, run,
     summary, trained,
 )
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 20  # sentences in the test subset
 INTERACTIVE_N = 8
 
@@ -167,3 +172,23 @@ def test_relaxed_acceptance_takes_no_more_invocations(runs, relaxation):
     exact, relaxed = generated(runs, "blockwise 32"), generated(runs, relaxation)
     assert sum(steps(relaxed).values()) <= sum(steps(exact).values())
     assert summary(relaxed).mean >= summary(exact).mean
+
+
+def test_speed_script_times_every_setting_and_stays_greedy(tiny, tmp_path):
+    # scripts/speed.py reads references from DATA/raw, as the recipes lay data out.
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in os.listdir(tiny.data):
+        (data / name).symlink_to(os.path.join(tiny.data, name))
+    (data / "raw").symlink_to(tiny.raw)
+    out = tmp_path / "speed"
+    argv = ["--data", data, "--path", tiny.checkpoint, "--block-sizes", 2, 3, "--confidences", 0, 0.5,
+            "--max-sentences", 6, "--repeats", 1, "--out", out]
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "speed.py"), *map(str, argv)],
+        check=True, capture_output=True, env=ENV, timeout=300,
+    )
+    results = json.loads((tmp_path / "speed.json").read_text())
+    assert [(r["block_size"], r["confidence"]) for r in results] == [(2, 0), (2, 0.5), (3, 0), (3, 0.5)]
+    assert all(r["identical"] == r["sentences"] == 6 and r["speedup"] > 0 for r in results)
+    assert (tmp_path / "speed.md").read_text().count("\n| ") == 1 + 4  # header and a row per setting

@@ -201,3 +201,16 @@ def test_head_vocab_trains_heads_2_to_k_on_a_shortlist(data_dir):
     eps = SMOOTHING / (vocab - 1)
     expected = ((1 - SMOOTHING - eps) * nll + eps * smooth)[keep].sum()
     assert torch.allclose(log["loss_h2"].float(), expected, rtol=1e-5)
+
+
+def test_head1_weight_weighs_head_1_against_the_others(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3")
+    sample = translation_batch(task, 5, seed=10)
+    plain_loss, _, plain = criterion(task)(model, sample)
+    loss, _, log = criterion(task, head1_weight=4.0)(model, sample)
+    heads = [log[f"loss_h{h}"] for h in (1, 2, 3)]
+    assert torch.allclose(plain_loss, sum(heads) / 3)
+    assert torch.allclose(loss, (4.0 * heads[0] + heads[1] + heads[2]) / 6)
+    assert not torch.allclose(loss, plain_loss)
+    with pytest.raises(ValueError, match="--head1-weight must be greater than 0"):
+        criterion(task, head1_weight=0.0)
