@@ -102,6 +102,19 @@ def compare(model, task, samples, references, block_size, topk=1, min_block=1, r
     }
 
 
+def prepare(args):
+    """From parsed --data, --path, --subset, --batch-size, --max-sentences and --threads:
+    the model, its task, seconds to load it, the batches and the reference lines."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for path in (args.path, args.data):
+        if not os.path.exists(path):
+            raise SystemExit(f"error: not found: {path}")
+    model, task, load_seconds = load(args.path, args.data)
+    references = open(os.path.join(args.data, "raw", f"{args.subset}.{task.cfg.target_lang}")).read().splitlines()
+    return model, task, load_seconds, batches(task, args.subset, args.batch_size, args.max_sentences), references
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", required=True)
@@ -118,14 +131,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    for path in (args.path, args.data):
-        if not os.path.exists(path):
-            raise SystemExit(f"error: not found: {path}")
-    model, task, load_seconds = load(args.path, args.data)
-    references = open(os.path.join(args.data, "raw", f"{args.subset}.{task.cfg.target_lang}")).read().splitlines()
-    samples = batches(task, args.subset, args.batch_size, args.max_sentences)
+    model, task, load_seconds, samples, references = prepare(args)
     result = compare(model, task, samples, references, args.block_size or model.decoder.block_size,
                      args.topk, args.min_block, args.repeats, task.cfg.target_lang, args.proposal_vocab,
                      args.confidence)

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import batches, compare, load  # noqa: E402
+from compare import compare, prepare  # noqa: E402
 
 COLUMNS = ("block size", "confidence", "greedy s", "blockwise s", "speedup", "mean accepted block",
            "invocations (greedy / blockwise)", "identical", "BLEU greedy / blockwise")
@@ -50,15 +50,8 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    for path in (args.path, args.data):
-        if not os.path.exists(path):
-            raise SystemExit(f"error: not found: {path}")
-    model, task, _ = load(args.path, args.data)
+    model, task, _, samples, references = prepare(args)
     lang = task.cfg.target_lang
-    references = open(os.path.join(args.data, "raw", f"{args.subset}.{lang}")).read().splitlines()
-    samples = batches(task, args.subset, args.batch_size, args.max_sentences)
     results = []
     for k in args.block_sizes:
         for confidence in args.confidences:
