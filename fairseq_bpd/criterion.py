@@ -28,7 +28,8 @@ class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
         default=False,
         metadata={
             "help": "train one head drawn at random per batch (the paper's variant, "
-            "to save memory) instead of the mean over all heads"
+            "to save memory; drawn in proportion to --head1-weight) instead of the "
+            "weighted mean over all heads"
         },
     )
 
@@ -90,7 +91,10 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         k = block.size(2)
         heads = range(k)
         if self.random_head and model.training:
-            heads = [int(torch.randint(k, ()).item())]
+            # Drawn in proportion to the weights, the expected loss is the weighted mean.
+            weights = torch.ones(k)
+            weights[0] = self.head1_weight
+            heads = [int(torch.multinomial(weights, 1).item())]
 
         logging_output = {
             "ntokens": sample["ntokens"],

@@ -54,6 +54,18 @@ def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block):
     return torch.minimum(1 + run, limit)
 
 
+def confident_width(best, log_confidence):
+    """How many proposals the next block keeps under --blockwise-confidence: an int.
+
+    best: b x k-1, each head's top log-prob (over the vocabulary it proposes from).
+    A sentence keeps proposals while the product of their top probabilities stays
+    at or above the confidence; the batch shares one block, so the widest sentence
+    sets it (the others' extra proposals are verified like any other).
+    """
+    confident = best.cumsum(dim=1) >= log_confidence  # a prefix: the sums only fall
+    return int(confident.sum(dim=1).max())
+
+
 def roll_back(decoder, incremental_state, cached, kept, block_width):
     """Drop the rejected suffix of the block just fed.
 
@@ -196,6 +208,7 @@ class BlockwiseGenerator(nn.Module):
         incremental_state = {}
         finalized = [[] for _ in range(bsz)]
 
+        first_pass = True  # on BOS alone: it verifies nothing, so it is no accepted block
         while sentence.numel() > 0:
             # 1. One decoder pass over the block: the last committed token, then the proposals.
             block = torch.cat([tokens.gather(1, length[:, None]), proposals], dim=1)  # b x n
@@ -231,8 +244,9 @@ class BlockwiseGenerator(nn.Module):
             is_eos = committed.eq(self.eos) & is_committed
             finished = is_eos.any(dim=1)
             new_tokens = torch.where(finished, is_eos.long().argmax(dim=1) + 1, kept)
-            if n > 1 or self.block_size == 1:  # the first pass, on BOS alone, verifies nothing
+            if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(new_tokens.tolist())
+            first_pass = False
             length = length + new_tokens
 
             # 4. Roll the rejected suffix out of the cache.
@@ -296,10 +310,8 @@ class BlockwiseGenerator(nn.Module):
     def propose(self, features, sentence, tokens, length):
         """Heads 2..k at the last accepted position: features b x C -> b x n-1 tokens.
 
-        n is k, or less under --blockwise-confidence: the block ends before the first
-        proposal at which the product of the heads' top probabilities so far falls
-        below it (the longest such run over the batch), since every block position
-        costs decoder and projection work whether or not it is accepted.
+        n is k, or less under --blockwise-confidence (confident_width), since every
+        block position costs decoder and projection work whether or not it is accepted.
         The heads need only `features`; the batch's sentence ids, tokens (b x L) and
         lengths (b) are there for proposal models that read the prefix (the tests'
         oracles).
@@ -313,8 +325,7 @@ class BlockwiseGenerator(nn.Module):
         if self.log_confidence == -math.inf:
             return logits.argmax(dim=-1)
         best, proposals = logits.log_softmax(dim=-1).max(dim=-1)  # b x k-1
-        confident = best.cumsum(dim=1) >= self.log_confidence  # a prefix: the sums only fall
-        return proposals[:, : int(confident.sum(dim=1).max())]
+        return proposals[:, : confident_width(best, self.log_confidence)]
 
     def hypothesis(self, tokens, scores, attn, row, length, invocations, src_length):
         """fairseq's hypothesis dict for one finished sentence of `length` tokens (EOS last)."""

@@ -251,9 +251,12 @@ class BlockwiseTransformerModel(TransformerModel):
         blockwise_base_architecture(args)
         if args.block_size < 1:
             raise ValueError(f"--block-size must be at least 1 (got {args.block_size})")
-        vocab = len(task.target_dictionary)
-        if not 0 <= args.head_vocab <= vocab:
-            raise ValueError(f"--head-vocab must be between 0 (all) and the dictionary's {vocab} entries (got {args.head_vocab})")
+        dictionary = task.target_dictionary
+        if args.head_vocab != 0 and not dictionary.nspecial < args.head_vocab <= len(dictionary):
+            raise ValueError(
+                f"--head-vocab must be 0 (all) or between {dictionary.nspecial + 1} (past the special "
+                f"symbols) and the dictionary's {len(dictionary)} entries (got {args.head_vocab})"
+            )
         if args.head_vocab and args.adaptive_softmax_cutoff:
             raise ValueError("--head-vocab needs the decoder's plain output projection, not --adaptive-softmax-cutoff")
         if args.freeze_base and args.block_size == 1 and args.head_layout == "base":

@@ -46,8 +46,10 @@ class TranslationBlockwiseConfig(TranslationConfig):
         default=0.0,
         metadata={
             "help": "end a block before the first proposal at which the product of the "
-            "heads' top probabilities falls below P: fewer positions to verify when "
-            "the heads are unsure; output stays exactly greedy (0: always k)"
+            "heads' top probabilities (over the vocabulary they propose from) falls "
+            "below P; in a batch the most confident sentence sets the width. Fewer "
+            "positions to verify when the heads are unsure; output stays exactly "
+            "greedy (0: always k)"
         },
     )
     blockwise_proposal_vocab: int = field(
@@ -151,10 +153,10 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse(f"--blockwise-min-block must be at least 1 (got {self.cfg.blockwise_min_block})")
         if not 0 <= self.cfg.blockwise_confidence <= 1:
             refuse(f"--blockwise-confidence must be between 0 and 1 (got {self.cfg.blockwise_confidence})")
-        vocab = self.cfg.blockwise_proposal_vocab
-        if vocab < 0 or vocab > len(self.target_dictionary):
-            refuse(f"--blockwise-proposal-vocab must be between 0 (all) and the dictionary's "
-                   f"{len(self.target_dictionary)} entries (got {vocab})")
+        vocab, dictionary = self.cfg.blockwise_proposal_vocab, self.target_dictionary
+        if vocab != 0 and not dictionary.nspecial < vocab <= len(dictionary):
+            refuse(f"--blockwise-proposal-vocab must be 0 (all) or between {dictionary.nspecial + 1} (past the "
+                   f"special symbols) and the dictionary's {len(dictionary)} entries (got {vocab})")
         if vocab and getattr(decoder, "output_projection", None) is None:
             refuse("--blockwise-proposal-vocab needs the decoder's plain output projection "
                    "(this model has an adaptive softmax)")

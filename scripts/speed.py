@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Batch-1 speed of one checkpoint over block sizes and confidence cuts (issue 3's benchmark).
+"""Greedy vs blockwise speed of one checkpoint over block sizes and confidence cuts.
 
 For every (block size, --blockwise-confidence) pair, scripts/compare.py's compare()
 decodes the same sentences with fairseq's greedy SequenceGenerator and with blockwise

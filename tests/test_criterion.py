@@ -214,3 +214,16 @@ def test_head1_weight_weighs_head_1_against_the_others(data_dir):
     assert not torch.allclose(loss, plain_loss)
     with pytest.raises(ValueError, match="--head1-weight must be greater than 0"):
         criterion(task, head1_weight=0.0)
+
+
+def test_random_head_draws_head_1_by_its_weight(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4")
+    model.train()  # dropout is 0
+    sample = translation_batch(task, 3, seed=11)
+    torch.manual_seed(0)
+    for weight, expected in ((1e9, {1}), (1e-9, {2, 3, 4})):
+        crit = criterion(task, random_head=True, head1_weight=weight)
+        drawn = set()
+        for _ in range(12):
+            drawn |= {int(key[len("loss_h"):]) for key in crit(model, sample)[2] if key.startswith("loss_h")}
+        assert drawn == expected

@@ -7,7 +7,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build, random_sample
 
-from fairseq_bpd.generator import BlockwiseGenerator, accept, roll_back, verify
+from fairseq_bpd.generator import BlockwiseGenerator, accept, confident_width, roll_back, verify
 
 GREEDY_OPTIONS = ("max_len_a", "max_len_b", "min_len", "normalize_scores", "len_penalty",
                   "unk_penalty", "temperature", "no_repeat_ngram_size")
@@ -87,10 +87,10 @@ def test_random_heads_give_greedy_output(data_dir, seed, bsz):
     assert_same(greedy(model, task, sample), blockwise(model, task, sample, 3)[0])
 
 
-@pytest.mark.parametrize("vocab,trained", [(5, False), (9, False), (9, True)])
-def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab, trained):
-    # trained: the heads were trained with --head-vocab, which decoding then uses by default.
-    extra = ["--head-vocab", str(vocab)] if trained else []
+@pytest.mark.parametrize("vocab,in_model", [(5, False), (9, False), (9, True)])
+def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab, in_model):
+    # in_model: the model was built with --head-vocab, which decoding then uses by default.
+    extra = ["--head-vocab", str(vocab)] if in_model else []
     task, model, _ = build(data_dir, "--block-size", "4", *extra, seed=2)
     sample = random_sample(task, bsz=7, seed=2)
     proposed = []
@@ -100,7 +100,7 @@ def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab, trained)
             proposed.append(super().propose(*args))
             return proposed[-1]
 
-    hypos, _ = blockwise(model, task, sample, 4, Recorded, proposal_vocab=0 if trained else vocab)
+    hypos, _ = blockwise(model, task, sample, 4, Recorded, proposal_vocab=0 if in_model else vocab)
     assert_same(greedy(model, task, sample), hypos)
     assert max(int(p.max()) for p in proposed if p.numel()) < vocab
     assert len(task.target_dictionary) > vocab
@@ -126,17 +126,31 @@ def test_blocks_cut_by_confidence_give_greedy_output(data_dir, bsz):
             widths.setdefault(self.log_confidence, []).append(kept)
             return proposals
 
-    invocations = {}
+    stats = {}
     for confidence in (0.0, 1e-30, 0.05, 0.3, 1.0):
         hypos, generator = blockwise(model, task, sample, 5, Recorded, confidence=confidence)
         assert_same(expected, hypos)
-        invocations[confidence] = generator.stats.invocations
-    assert invocations[1e-30] == invocations[0.0]
-    # At P=1 no proposal is confident enough: one token per invocation, as greedy.
+        stats[confidence] = generator.stats
+    assert stats[1e-30].invocations == stats[0.0].invocations
+    # At P=1 no proposal is confident enough: one token per invocation, as greedy,
+    # and every pass after the first (on BOS alone) is an accepted block of 1.
+    tokens = sum(len(e["tokens"]) for e in expected)
     assert set(widths[math.log(1.0)]) == {0}
-    assert invocations[1.0] == sum(len(e["tokens"]) for e in expected)
+    assert stats[1.0].invocations == tokens
+    assert dict(stats[1.0].accepted) == {1: tokens - bsz}
     cut = widths[math.log(0.3)]
     assert max(cut) > 0 and min(cut) < 4  # some blocks cut, not all to nothing
+
+
+def test_confident_width_keeps_the_widest_confident_run_in_the_batch():
+    best = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.9],  # joint 0.9, 0.81, 0.73, 0.66
+                                   [0.5, 1.0, 1.0, 1.0],  # 0.5 throughout
+                                   [0.2, 1.0, 1.0, 1.0]]))
+    assert confident_width(best[:1], math.log(0.75)) == 2
+    assert confident_width(best[:1], math.log(0.5)) == 4
+    assert confident_width(best[1:], math.log(0.75)) == 0
+    assert confident_width(best, math.log(0.75)) == 2  # the first sentence sets the width
+    assert confident_width(best[1:], math.log(0.4)) == 4
 
 
 def test_batch_sizes_agree_with_each_other(data_dir):

@@ -161,9 +161,9 @@ def test_block_size_zero_is_refused(data_dir):
         build(data_dir, "--block-size", "0")
 
 
-@pytest.mark.parametrize("vocab", ["-1", "29"])  # the test dictionary has 28 entries
+@pytest.mark.parametrize("vocab", ["-1", "4", "29"])  # 4 special symbols, then 24 words
 def test_head_vocab_outside_the_dictionary_is_refused(data_dir, vocab):
-    with pytest.raises(ValueError, match="--head-vocab must be between 0 \\(all\\) and the dictionary's 28"):
+    with pytest.raises(ValueError, match="--head-vocab must be 0 \\(all\\) or between 5 .* the dictionary's 28"):
         build(data_dir, "--block-size", "3", "--head-vocab", vocab)
 
 

@@ -105,9 +105,11 @@ BAD_REQUESTS = {
     "--blockwise-min-block 0": (["--blockwise-min-block", 0], "--blockwise-min-block must be at least 1"),
     "--blockwise-confidence 1.5": (["--blockwise-confidence", 1.5], "--blockwise-confidence must be between 0 and 1"),
     "--blockwise-proposal-vocab -1": (["--blockwise-proposal-vocab", -1],
-                                      "--blockwise-proposal-vocab must be between 0 \\(all\\) and"),
+                                      "--blockwise-proposal-vocab must be 0 \\(all\\) or between 5"),
+    "--blockwise-proposal-vocab 2": (["--blockwise-proposal-vocab", 2],
+                                     "--blockwise-proposal-vocab must be 0 \\(all\\) or between 5"),
     "--blockwise-proposal-vocab 10000": (["--blockwise-proposal-vocab", 10000],
-                                         "--blockwise-proposal-vocab must be between 0 \\(all\\) and"),
+                                         "--blockwise-proposal-vocab must be 0 \\(all\\) or between 5"),
 }
 
 

@@ -134,6 +134,15 @@ def test_checkpoint_loads_weights_only(runs):
     assert bare.returncode != 0 and "argparse.Namespace" in bare.stderr
 
 
+def test_checkpoint_from_before_head_vocab_loads(runs, tmp_path):
+    state = torch.load(runs["blockwise"])
+    del state["cfg"]["model"].head_vocab  # saved before the option existed
+    old = tmp_path / "old.pt"
+    torch.save(state, old)
+    models, cfg = checkpoint_utils.load_model_ensemble([str(old)])
+    assert models[0].decoder.head_vocab == 0 and cfg.model.head_vocab == 0
+
+
 def test_checkpoint_loads_as_an_ensemble(runs):
     models, cfg = checkpoint_utils.load_model_ensemble([runs["blockwise"]])
     assert isinstance(models[0], BlockwiseTransformerModel)
