@@ -278,7 +278,7 @@ class BlockwiseGenerator(nn.Module):
     def head1_lprobs(self, features, steps, tokens, block, max_len):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V."""
         decoder = self.model.decoder
-        logits = decoder.output_layer(decoder.head1_features(features))
+        logits = decoder.project(decoder.head1_features(features))
         if self.temperature != 1.0:
             logits.div_(self.temperature)
         lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
@@ -320,7 +320,7 @@ class BlockwiseGenerator(nn.Module):
             return features.new_empty(features.size(0), 0, dtype=torch.long)
         decoder = self.model.decoder
         heads = decoder.block_features(features, self.block_size)[:, 1:]  # b x k-1 x C
-        logits = decoder.proposal_logits(heads, self.proposal_vocab)
+        logits = decoder.project(heads, self.proposal_vocab)
         logits[..., self.pad] = -math.inf  # a pad in the block would read as padding
         if self.log_confidence == -math.inf:
             return logits.argmax(dim=-1)

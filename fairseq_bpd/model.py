@@ -116,16 +116,36 @@ class BlockwiseDecoder(TransformerDecoderBase):
             return self.heads(x, count)
         return torch.cat([x.unsqueeze(-2), self.heads(x, count - 1)], dim=-2)
 
-    def proposal_logits(self, x, vocab=None):
-        """Logits of heads 2..k: ... x C -> ... x N, the first `vocab` dictionary entries.
+    def proposal_logits(self, x):
+        """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab.
 
-        vocab defaults to the model's --head-vocab; 0 means the whole dictionary.
         The shortlist is a view of the projection's first rows, no copy.
         """
-        vocab = self.head_vocab if vocab is None else vocab
-        if not vocab:
+        if not self.head_vocab:
             return self.output_layer(x)
-        return nn.functional.linear(x, self.output_projection.weight[:vocab])
+        return nn.functional.linear(x, self.output_projection.weight[: self.head_vocab])
+
+    def project(self, x, vocab=0):
+        """Logits of a few positions at a time, for decoding: ... x C -> ... x N.
+
+        N is the first `vocab` dictionary entries, or all of them (vocab 0).
+        Computed as W·xᵀ, not x·Wᵀ as nn.Linear does: for a handful of rows MKL's
+        x·Wᵀ re-packs the whole projection on every call, and on the 2-core CPU
+        W·xᵀ cut decoding time by 10% at k=8 (batch 1 and 32 alike). Either rounds
+        differently from fairseq's one-row step, which is why exactness is tested
+        in float64.
+        """
+        projection = self.output_projection
+        plain = type(projection) is nn.Linear and projection.bias is None
+        if not plain or projection._forward_hooks or projection._forward_pre_hooks:
+            # Anything else (adaptive softmax, a wrapped or hooked projection) runs as is.
+            if vocab:
+                return self.output_layer(x)[..., :vocab]
+            return self.output_layer(x)
+        weight = projection.weight
+        weight = weight[:vocab] if vocab else weight
+        rows = x.reshape(-1, x.size(-1))
+        return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.size(0))
 
     def head1_features(self, x):
         """Features of the next-token head alone: B x T x C -> B x T x C."""

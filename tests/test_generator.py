@@ -118,7 +118,7 @@ def test_blocks_cut_by_confidence_give_greedy_output(data_dir, bsz):
             proposals = super().propose(features, *args)
             # What the cut must have kept: the longest run of joint confidence >= P.
             heads = self.model.decoder.block_features(features, self.block_size)[:, 1:]
-            logits = self.model.decoder.output_layer(heads)
+            logits = self.model.decoder.project(heads)
             logits[..., self.pad] = -math.inf
             joint = logits.log_softmax(dim=-1).max(dim=-1)[0].cumsum(dim=1)
             kept = int((joint >= self.log_confidence).sum(dim=1).max())

@@ -170,3 +170,17 @@ def test_head_vocab_outside_the_dictionary_is_refused(data_dir, vocab):
 def test_freeze_base_with_nothing_to_train_is_refused(data_dir):
     with pytest.raises(ValueError, match="--freeze-base"):
         build(data_dir, "--block-size", "1", "--freeze-base")
+
+
+def test_project_is_the_output_layer_and_keeps_hooks(data_dir):
+    _, model, _ = build(data_dir, "--block-size", "3")
+    decoder = model.decoder
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    full = decoder.output_layer(x)
+    assert torch.allclose(decoder.project(x), full, atol=1e-12)
+    assert torch.allclose(decoder.project(x, 9), full[..., :9], atol=1e-12)
+    # A hooked projection (here: EOS pushed up) is run as a module, hook and all.
+    eos = decoder.dictionary.eos()
+    decoder.output_projection.register_forward_hook(lambda module, inputs, out: out + 100.0 * (torch.arange(out.size(-1)) == eos))
+    assert decoder.project(x).argmax(-1).eq(eos).all()
+    assert decoder.project(x, 9).argmax(-1).eq(eos).all()
