@@ -89,12 +89,11 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             block = block[:, self.ignore_prefix_size :]
             target = target[:, self.ignore_prefix_size :]
         k = block.size(2)
-        heads = range(k)
+        heads, weights = range(k), [self.head1_weight] + [1.0] * (k - 1)
         if self.random_head and model.training:
             # Drawn in proportion to the weights, the expected loss is the weighted mean.
-            weights = torch.ones(k)
-            weights[0] = self.head1_weight
-            heads = [int(torch.multinomial(weights, 1).item())]
+            heads = [int(torch.multinomial(torch.tensor(weights), 1).item())]
+            weights = [1.0]
 
         logging_output = {
             "ntokens": sample["ntokens"],
@@ -103,7 +102,6 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         }
         loss = 0.0
         predictions = []
-        weights = [self.head1_weight if i == 0 and len(heads) > 1 else 1.0 for i in heads]
         for i, weight in zip(heads, weights):
             loss_i, nll_i, lprobs, target_i = self.head_loss(model, block, target, i, reduce)
             loss = loss + weight * loss_i

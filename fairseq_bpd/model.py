@@ -61,6 +61,14 @@ class BlockwiseHeadsConfig(FairseqDataclass):
     )
 
 
+def shortlist_problem(flag, vocab, dictionary):
+    """Why `vocab` (given as `flag`) is no shortlist of `dictionary`'s first entries; None if it is."""
+    if vocab == 0 or dictionary.nspecial < vocab <= len(dictionary):
+        return None
+    return (f"{flag} must be 0 (all) or between {dictionary.nspecial + 1} (past the special "
+            f"symbols) and the dictionary's {len(dictionary)} entries (got {vocab})")
+
+
 class ProposalHeads(nn.Module):
     """One feed-forward layer whose output is cut into `num_heads` residual slices."""
 
@@ -271,12 +279,9 @@ class BlockwiseTransformerModel(TransformerModel):
         blockwise_base_architecture(args)
         if args.block_size < 1:
             raise ValueError(f"--block-size must be at least 1 (got {args.block_size})")
-        dictionary = task.target_dictionary
-        if args.head_vocab != 0 and not dictionary.nspecial < args.head_vocab <= len(dictionary):
-            raise ValueError(
-                f"--head-vocab must be 0 (all) or between {dictionary.nspecial + 1} (past the special "
-                f"symbols) and the dictionary's {len(dictionary)} entries (got {args.head_vocab})"
-            )
+        problem = shortlist_problem("--head-vocab", args.head_vocab, task.target_dictionary)
+        if problem:
+            raise ValueError(problem)
         if args.head_vocab and args.adaptive_softmax_cutoff:
             raise ValueError("--head-vocab needs the decoder's plain output projection, not --adaptive-softmax-cutoff")
         if args.freeze_base and args.block_size == 1 and args.head_layout == "base":

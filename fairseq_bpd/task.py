@@ -9,7 +9,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from .generator import BlockwiseGenerator
-from .model import BlockwiseDecoder
+from .model import BlockwiseDecoder, shortlist_problem
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +153,10 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse(f"--blockwise-min-block must be at least 1 (got {self.cfg.blockwise_min_block})")
         if not 0 <= self.cfg.blockwise_confidence <= 1:
             refuse(f"--blockwise-confidence must be between 0 and 1 (got {self.cfg.blockwise_confidence})")
-        vocab, dictionary = self.cfg.blockwise_proposal_vocab, self.target_dictionary
-        if vocab != 0 and not dictionary.nspecial < vocab <= len(dictionary):
-            refuse(f"--blockwise-proposal-vocab must be 0 (all) or between {dictionary.nspecial + 1} (past the "
-                   f"special symbols) and the dictionary's {len(dictionary)} entries (got {vocab})")
+        vocab = self.cfg.blockwise_proposal_vocab
+        problem = shortlist_problem("--blockwise-proposal-vocab", vocab, self.target_dictionary)
+        if problem:
+            refuse(problem)
         if vocab and getattr(decoder, "output_projection", None) is None:
             refuse("--blockwise-proposal-vocab needs the decoder's plain output projection "
                    "(this model has an adaptive softmax)")

@@ -30,9 +30,12 @@ def row(r):
             f"{r['bleu_greedy']:.2f} / {r['bleu_blockwise']:.2f}")
 
 
+def markdown(cells):
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
 def table(results):
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(cell) for cell in row(r)) + " |" for r in results]
+    lines = [markdown(COLUMNS), "|" + "---|" * len(COLUMNS)] + [markdown(row(r)) for r in results]
     return "\n".join(lines)
 
 
@@ -59,7 +62,7 @@ def main():
                         proposal_vocab=args.proposal_vocab, confidence=confidence)
             r.update(batch_size=args.batch_size, checkpoint=args.path)
             results.append(r)
-            print("| " + " | ".join(str(cell) for cell in row(r)) + " |", flush=True)
+            print(markdown(row(r)), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
