@@ -78,12 +78,12 @@ def tokens_by_id(hypos):
 
 def quality(model, task, samples, references, generator):
     """BLEU and output tokens of one decoder over the test set (batch size 32)."""
-    from compare import bleu, decode
+    from compare import bleu, decode, detokenized
 
     if hasattr(generator, "report_at_exit"):
         generator.report_at_exit.detach()
     hypos, seconds = decode(generator, model, samples)
-    result = {"bleu": bleu(task, hypos, references, "en"), "seconds": seconds, "tokens": tokens_by_id(hypos)}
+    result = {"bleu": bleu(detokenized(task, hypos, "en"), references), "seconds": seconds, "tokens": tokens_by_id(hypos)}
     stats = getattr(generator, "stats", None)
     if stats is not None:
         result.update(mean_accepted_block=stats.mean_accepted_block(), invocations=stats.invocations,
@@ -138,11 +138,11 @@ def profile(model, task, samples, block_size):
 
 def measure(timing_sentences, repeats, test_sentences=None):
     import torch
-    from compare import batches, compare, load
+    from compare import batches, compare, load, raw_lines
     from fairseq.sequence_generator import SequenceGenerator
     from fairseq_bpd.generator import BlockwiseGenerator
 
-    references = open(os.path.join(DATA, "raw", "test.en")).read().splitlines()
+    references = raw_lines(DATA, "test", "en")
     results = {}
     for targets, mode in MODES:
         name = f"{targets}-{mode}"

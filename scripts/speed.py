@@ -4,7 +4,8 @@
 For every (block size, --blockwise-confidence) pair, scripts/compare.py's compare()
 decodes the same sentences with fairseq's greedy SequenceGenerator and with blockwise
 decoding, alternating in this one process, and takes medians over --repeats runs.
-Writes a JSON list and a markdown table.
+Writes a JSON list and a markdown table. Decodes on the GPU when torch sees one (--cpu:
+the CPU) and names the device it timed.
 
   .venv/bin/python scripts/speed.py --data DATA --path CKPT --block-sizes 4 6 8 \
       --confidences 0 0.3 [--batch-size 1] [--max-sentences 100] [--repeats 3] --out work/speed/b1
@@ -14,10 +15,9 @@ import json
 import os
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import compare, prepare  # noqa: E402
+from compare import add_device_args, compare, prepare  # noqa: E402
 
 COLUMNS = ("block size", "confidence", "greedy s", "blockwise s", "speedup", "mean accepted block",
            "invocations (greedy / blockwise)", "identical", "BLEU greedy / blockwise")
@@ -50,10 +50,10 @@ def main():
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--max-sentences", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_device_args(ap)
     ap.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
-    model, task, _, samples, references = prepare(args)
+    model, task, _, samples, references, _ = prepare(args)
     lang = task.cfg.target_lang
     results = []
     for k in args.block_sizes:
@@ -68,7 +68,7 @@ def main():
         json.dump(results, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(f"{len(samples)} batches of {args.batch_size} ({args.subset}), medians of {args.repeats} runs, "
-                f"{torch.get_num_threads()} torch threads, checkpoint {args.path}\n\n{table(results)}\n")
+                f"timed on {results[0]['device']}, checkpoint {args.path}\n\n{table(results)}\n")
 
 
 if __name__ == "__main__":

@@ -243,3 +243,20 @@ def test_recipe_scripts_resume_their_checkpoints(tmp_path):
         resumed = recipe(name, *args, "--max-update", "2")
         assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 1 updates\)", resumed), \
             (name, resumed[-2000:])
+
+
+def test_recipe_finetunes_heads_with_head1_weight_7(tmp_path):
+    """train_heads.sh finetune weighs head 1 seven times each other head (docs/speed.md), unless told otherwise."""
+    data = binarised_corpus(tmp_path)
+    script = os.path.join(os.path.dirname(PLUGIN), "scripts", "train_heads.sh")
+    base = tmp_path / "base"
+    subprocess.run([os.path.join(os.path.dirname(PLUGIN), "scripts", "train_base.sh"), data, str(base),
+                    "--cpu", "--num-workers", "0", "--no-progress-bar", "--encoder-layers", "1",
+                    "--decoder-layers", "1", "--max-update", "1"], env=ENV, check=True, capture_output=True)
+    for save, extra, weight in (("default", [], 7.0), ("override", ["--head1-weight", "2"], 2.0)):
+        subprocess.run([script, data, str(base / "checkpoint_last.pt"), str(tmp_path / save), "2", "finetune",
+                        "--cpu", "--num-workers", "0", "--no-progress-bar", "--encoder-layers", "1",
+                        "--decoder-layers", "1", "--max-update", "1", *extra],
+                       env=ENV, check=True, capture_output=True)
+        state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / save / "checkpoint_last.pt"))
+        assert state["cfg"]["criterion"]["head1_weight"] == weight
