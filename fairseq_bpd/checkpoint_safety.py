@@ -57,7 +57,9 @@ BROADCAST_GLOBALS = [
 ]
 torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS + BROADCAST_GLOBALS)
 # Modules whose globals torch's weights-only unpickler refuses even when allow-listed.
-BLOCKED_MODULES = getattr(torch._weights_only_unpickler, "_blocklisted_modules", ["sys", "os", "posix", "nt"])
+BLOCKED_MODULES = getattr(
+    torch._weights_only_unpickler, "_blocklisted_modules", ["sys", "os", "posix", "nt"]
+)
 
 
 class CheckpointError(RuntimeError):
@@ -89,7 +91,7 @@ def _refusal(path, error):
             "checkpoints do not hold, and torch.load (weights_only=True) will not build "
             "objects it does not know, since unpickling them can run arbitrary code."
         )
-        blocked = [name for name in unsafe if name.split(".")[0] in BLOCKED_MODULES]
+        blocked = [name for name in unsafe if name.rpartition(".")[0] in BLOCKED_MODULES]
         if blocked:  # add_safe_globals cannot let these through: no advice to try it
             return (
                 f"{refused} torch refuses {', '.join(sorted(blocked))} whatever the "
