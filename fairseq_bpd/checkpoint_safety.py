@@ -56,6 +56,10 @@ BROADCAST_GLOBALS = [
     _TensorPlaceholder,
 ]
 torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS + BROADCAST_GLOBALS)
+# Modules whose globals torch's weights-only unpickler refuses even when allow-listed.
+BLOCKED_MODULES = getattr(
+    torch._weights_only_unpickler, "_blocklisted_modules", ["sys", "os", "posix", "nt"]
+)
 
 
 class CheckpointError(RuntimeError):
@@ -69,7 +73,8 @@ def _refusal(path, error):
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(local_path)
     except ValueError:  # not a zip: a legacy (torch < 1.6) file, or not a checkpoint at all
-        unsafe = re.findall(r"GLOBAL (\S+) was not an allowed global", str(error))
+        # torch's weights-only unpickler stops at the first global it refuses, and names it.
+        unsafe = re.findall(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", str(error))
         if not unsafe:
             try:
                 torch.load(local_path, map_location="cpu")
@@ -81,12 +86,22 @@ def _refusal(path, error):
         return f"{corrupt} ({reason})"
     if unsafe:
         names = ", ".join(sorted(unsafe))
-        return (
+        refused = (
             f"refusing to load checkpoint {path}: it holds {names}, which fairseq "
             "checkpoints do not hold, and torch.load (weights_only=True) will not build "
-            "objects it does not know, since unpickling them can run arbitrary code. If "
-            "you trust this file, allow them in your own code before loading it: "
-            f"torch.serialization.add_safe_globals([{names}])"
+            "objects it does not know, since unpickling them can run arbitrary code."
+        )
+        blocked = [name for name in unsafe if name.rpartition(".")[0] in BLOCKED_MODULES]
+        if blocked:  # add_safe_globals cannot let these through: no advice to try it
+            return (
+                f"{refused} torch refuses {', '.join(sorted(blocked))} whatever the "
+                f"allow-list (it blocks the modules {', '.join(BLOCKED_MODULES)}): no "
+                "checkpoint needs them, and a file holding them is most likely made to "
+                "run code when loaded"
+            )
+        return (
+            f"{refused} If you trust this file, allow them in your own code before "
+            f"loading it: torch.serialization.add_safe_globals([{names}])"
         )
     if isinstance(error, (pickle.UnpicklingError, EOFError)):
         return f"{corrupt} ({error})"

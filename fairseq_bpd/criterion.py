@@ -35,12 +35,16 @@ class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
 
 
 def shift_target(target, offset, pad):
-    """The target head `offset` is trained on: B x T, token t+offset at t, pad past the end."""
+    """The target head `offset` is trained on: B x T, token t+offset at t.
+
+    Pad past the end, and wherever the target itself is pad: with left padding
+    (--left-pad-target) a padding position is followed by real tokens.
+    """
     if offset == 0:
         return target
     shifted = target.new_full(target.shape, pad)
     shifted[:, :-offset] = target[:, offset:]
-    return shifted
+    return shifted.masked_fill_(target.eq(pad), pad)
 
 
 def teacher_forced_block(predictions, valid):
@@ -89,41 +93,39 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             block = block[:, self.ignore_prefix_size :]
             target = target[:, self.ignore_prefix_size :]
         k = block.size(2)
-        heads, weights = range(k), [self.head1_weight] + [1.0] * (k - 1)
+        weights = [self.head1_weight] + [1.0] * (k - 1)
         if self.random_head and model.training:
             # Drawn in proportion to the weights, the expected loss is the weighted mean.
-            heads = [int(torch.multinomial(torch.tensor(weights), 1).item())]
-            weights = [1.0]
+            drawn = int(torch.multinomial(torch.tensor(weights), 1).item())
+            weights = [float(i == drawn) for i in range(k)]
 
         logging_output = {
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample["target"].size(0) if self.sentence_avg else sample["ntokens"],
         }
-        loss = 0.0
-        predictions = []
-        for i, weight in zip(heads, weights):
+        loss, predictions = 0.0, []
+        for i, weight in enumerate(weights):
+            if weight == 0:  # a head not drawn (--head1-weight is > 0)
+                # Its keys all the same, as zeros: fairseq sums logging outputs
+                # (micro-batches, then ranks) by the first one's keys.
+                logging_output.update(self.head_log(model, i, block.new_zeros(())))
+                continue
             loss_i, nll_i, lprobs, target_i = self.head_loss(model, block, target, i, reduce)
             loss = loss + weight * loss_i
-            mask = target_i.ne(self.padding_idx)
-            prediction = lprobs.argmax(-1)
-            predictions.append(prediction)
-            h = i + 1
-            logging_output[f"loss_h{h}"] = loss_i.data
-            logging_output[f"ntokens_h{h}"] = utils.item(mask.sum())
-            logging_output[f"n_correct_h{h}"] = utils.item(
-                prediction.eq(target_i).masked_select(mask).sum()
-            )
+            predictions.append(lprobs.argmax(-1))  # B x T
+            logging_output.update(self.head_log(model, i, loss_i, predictions[-1], target_i))
             if i == 0:
-                logging_output["nll_loss"] = nll_i.data
-                if self.report_accuracy:
-                    logging_output["n_correct"] = logging_output["n_correct_h1"]
-                    logging_output["total"] = logging_output["ntokens_h1"]
-        if "nll_loss" not in logging_output:
-            # A random head other than head 1 was drawn: still log head 1's nll, so
-            # that nll_loss and ppl stay the base model's.
+                head1 = nll_i, predictions[-1]
+        if weights[0] == 0:
+            # Head 1 was not drawn: still log its nll and accuracy, so that nll_loss,
+            # ppl and accuracy stay the base model's, whichever head is trained.
             with torch.no_grad():
-                logging_output["nll_loss"] = self.head_loss(model, block, target, 0, reduce)[1].data
+                _, nll_i, lprobs, _ = self.head_loss(model, block, target, 0, reduce)
+            head1 = nll_i, lprobs.argmax(-1)
+        logging_output["nll_loss"] = head1[0].data
+        if self.report_accuracy:
+            logging_output["n_correct"], logging_output["total"] = self.correct(head1[1], target)
         loss = loss / sum(weights)
         logging_output["loss"] = loss.data
         if len(predictions) == k:
@@ -134,21 +136,51 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             logging_output["block_count"] = utils.item(positions)
         return loss, logging_output["sample_size"], logging_output
 
+    def correct(self, prediction, target):
+        """Hits and non-pad targets: prediction and target B x T."""
+        mask = target.ne(self.padding_idx)
+        return utils.item(prediction.eq(target).masked_select(mask).sum()), utils.item(mask.sum())
+
+    def head_log(self, model, i, loss_i, prediction=None, target_i=None):
+        """Head i's logged loss and counts (0-based i); zeros where it was not trained.
+
+        ntokens_h counts the targets in its loss, total_h those in its accuracy. They
+        differ under --head-vocab: a target outside the shortlist has no logit, so it
+        is no part of the loss, but it is a miss, since the head cannot propose it.
+        """
+        h = i + 1
+        if prediction is None:
+            return {f"loss_h{h}": loss_i, f"ntokens_h{h}": 0, f"n_correct_h{h}": 0, f"total_h{h}": 0}
+        n_correct, total = self.correct(prediction, target_i)
+        in_loss = self.loss_target(model, target_i, i).ne(self.padding_idx)
+        return {
+            f"loss_h{h}": loss_i.data,
+            f"ntokens_h{h}": utils.item(in_loss.sum()),
+            f"n_correct_h{h}": n_correct,
+            f"total_h{h}": total,
+        }
+
+    @staticmethod
+    def shortlist(model, i):
+        """N if head i (0-based) has a softmax over the first N entries only (--head-vocab), else 0."""
+        return getattr(model.decoder, "head_vocab", 0) if i > 0 else 0
+
+    def loss_target(self, model, target_i, i):
+        """Head i's target as its loss sees it: pad where the head has no logit."""
+        vocab = self.shortlist(model, i)
+        return target_i.masked_fill(target_i >= vocab, self.padding_idx) if vocab else target_i
+
     def head_loss(self, model, block, target, i, reduce=True):
         """Label-smoothed loss and nll of head i (0-based), its log-probs and its target."""
         target_i = shift_target(target, i, self.padding_idx)
-        vocab = getattr(model.decoder, "head_vocab", 0)
-        if i > 0 and vocab:
-            # Such a head only ever proposes the first `vocab` entries: rarer targets
-            # are outside its softmax, so they are left out of its loss.
+        if self.shortlist(model, i):
             logits = model.decoder.proposal_logits(block[:, :, i])
-            target_i = target_i.masked_fill(target_i >= vocab, self.padding_idx)
         else:
             logits = model.decoder.output_layer(block[:, :, i])
         lprobs = model.get_normalized_probs((logits, None), log_probs=True)
         loss_i, nll_i = label_smoothed_nll_loss(
             lprobs.view(-1, lprobs.size(-1)),
-            target_i.reshape(-1),
+            self.loss_target(model, target_i, i).reshape(-1),
             self.eps,
             ignore_index=self.padding_idx,
             reduce=reduce,
@@ -172,8 +204,10 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                 metrics.log_scalar(
                     f"loss_h{h}", total(f"loss_h{h}") / ntokens / math.log(2), ntokens, round=3
                 )
+            targets = total(f"total_h{h}")
+            if targets > 0:
                 metrics.log_scalar(
-                    f"acc_h{h}", 100.0 * total(f"n_correct_h{h}") / ntokens, ntokens, round=2
+                    f"acc_h{h}", 100.0 * total(f"n_correct_h{h}") / targets, targets, round=2
                 )
         count = total("block_count")
         if count > 0:

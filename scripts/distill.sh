@@ -4,15 +4,23 @@
 # output, with the same dictionary, as the new training targets.
 # Usage: [SRC=de TGT=en] [SENTENCES=N] scripts/distill.sh DATA BASE_CKPT OUT [fairseq-generate flags...]
 # SENTENCES=N distils only the first N training pairs (a CPU budget); OUT's train set is then those N.
+# A rerun reuses OUT's targets only if OUT/.distilled, a hash of what they came from (the
+# checkpoint, the source text, the dictionaries, SRC, TGT, SENTENCES and the flags), still
+# matches; otherwise it distils again. Every run checks that each target is paired with
+# the source it was translated from, and the pair count of what it binarises.
 set -euo pipefail
 DATA=$1; CKPT=$2; OUT=$3; shift 3
 SENTENCES=${SENTENCES:-}
-BIN="$(dirname "$0")/../.venv/bin"
+HERE="$(dirname "$0")"
+BIN="$HERE/../.venv/bin"
 # SRC/TGT name the languages (default: de and en, the default corpus).
 SRC=${SRC:-de}; TGT=${TGT:-en}
 [ -f "$DATA/dict.$SRC.txt" ] && [ -f "$DATA/dict.$TGT.txt" ] || {
   echo "error: $DATA has no dict.$SRC.txt / dict.$TGT.txt; set SRC= and TGT= to its languages" >&2; exit 1; }
 for f in "$CKPT" "$DATA/text/train.bpe.$SRC"; do [ -f "$f" ] || { echo "error: not found: $f" >&2; exit 1; }; done
+stamp=$( { echo "$SRC $TGT ${SENTENCES:-all}"; printf '%s\n' "$@"
+  for f in "$CKPT" "$DATA/text/train.bpe.$SRC" "$DATA/dict.$SRC.txt" "$DATA/dict.$TGT.txt"; do sha256sum < "$f"; done
+} | sha256sum | cut -d' ' -f1)
 mkdir -p "$OUT/text"
 SOURCE="$DATA"
 if [ -n "$SENTENCES" ]; then
@@ -23,20 +31,25 @@ if [ -n "$SENTENCES" ]; then
     --srcdict "$DATA/dict.$SRC.txt" --tgtdict "$DATA/dict.$TGT.txt" --destdir "$SOURCE" --workers 2 > /dev/null
   mkdir -p "$SOURCE/text"; mv "$SOURCE"/train.bpe.* "$SOURCE/text/"
 fi
-if [ ! -f "$OUT/text/train.bpe.$TGT" ]; then
+if [ "$(cat "$OUT/.distilled" 2>/dev/null)" != "$stamp" ]; then
+  [ ! -e "$OUT/generate-train.txt" ] || echo "$OUT was distilled from other inputs (checkpoint, source" \
+    "text, dictionaries, SRC/TGT, SENTENCES or flags): distilling again" >&2
+  rm -f "$OUT/.distilled" "$OUT/generate-train.txt" "$OUT/text/train.bpe.$TGT"
   "$BIN/fairseq-generate" "$SOURCE" --path "$CKPT" --gen-subset train --source-lang "$SRC" --target-lang "$TGT" \
-    --beam 4 --lenpen 0.6 --max-len-a 1.2 --max-len-b 10 --max-tokens 8000 --required-batch-size-multiple 1 "$@" > "$OUT/generate-train.txt"
-  # H-<id> lines in id order are the distilled targets (still BPE'd, as fairseq saw them).
-  grep '^H-' "$OUT/generate-train.txt" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$OUT/text/train.bpe.$TGT.tmp"
-  want=$(wc -l < "$SOURCE/text/train.bpe.$SRC"); got=$(wc -l < "$OUT/text/train.bpe.$TGT.tmp")
-  [ "$want" = "$got" ] || { echo "error: $got distilled targets for $want sources" >&2; exit 1; }
-  mv "$OUT/text/train.bpe.$TGT.tmp" "$OUT/text/train.bpe.$TGT"
+    --beam 4 --lenpen 0.6 --max-len-a 1.2 --max-len-b 10 --max-tokens 8000 --required-batch-size-multiple 1 "$@" \
+    > "$OUT/generate-train.txt.tmp"
+  mv "$OUT/generate-train.txt.tmp" "$OUT/generate-train.txt"
 fi
+# H-<id> lines in id order are the distilled targets (still BPE'd, as fairseq saw them).
+"$BIN/python" "$HERE/distill_targets.py" extract "$OUT/generate-train.txt" "$SOURCE/text/train.bpe.$SRC" \
+  "$OUT/text/train.bpe.$TGT"
+echo "$stamp" > "$OUT/.distilled"
 cp "$SOURCE/text/train.bpe.$SRC" "$OUT/text/train.bpe.$SRC"
 rm -f "$OUT"/dict.*.txt
 "$BIN/fairseq-preprocess" --source-lang "$SRC" --target-lang "$TGT" \
   --trainpref "$OUT/text/train.bpe" --validpref "$DATA/text/valid.bpe" --testpref "$DATA/text/test.bpe" \
   --srcdict "$DATA/dict.$SRC.txt" --tgtdict "$DATA/dict.$TGT.txt" --destdir "$OUT" --workers 2 > "$OUT/preprocess.log"
+"$BIN/python" "$HERE/distill_targets.py" count "$OUT/train" "$SRC" "$TGT"
 # valid/test keep the human references, for BLEU.
 ln -sfn "$(realpath "$DATA/raw")" "$OUT/raw"
-echo "distilled data in $OUT"
+echo "distilled data in $OUT: $(wc -l < "$OUT/text/train.bpe.$SRC") pairs"

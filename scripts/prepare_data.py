@@ -10,7 +10,7 @@ Each PREFIX names PREFIX.<src> and PREFIX.<tgt>, one sentence a line.
 OUT receives the fairseq binaries and dictionaries, plus
   bpe.codes                 the joint BPE merges,
   text/<split>.bpe.<lang>   the tokenised + BPE'd text fed to fairseq,
-  raw/{valid,test}.<lang>   untouched copies, the references for sacrebleu,
+  raw/{valid,test}.<lang>   the input lines as read, the references for sacrebleu,
   .done                     a hash of inputs + settings, so reruns skip.
 Model output is turned back into plain text with scripts/detok.py.
 """
@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,15 +31,33 @@ from subword_nmt.learn_bpe import learn_bpe
 SPLITS = ("train", "valid", "test")
 # Part of the .done hash: bump it when the preprocessing itself changes, so
 # existing data-bins are rebuilt rather than silently reused.
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2
+# Line boundaries for str.splitlines() or universal newlines, besides "\n".
+LINE_BREAKS = re.compile("[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 def read_lines(path):
-    """Return the lines of a UTF-8 file without newlines; exit if missing."""
+    """Return the lines of a UTF-8 file, split at newlines only; exit if missing or not UTF-8.
+
+    str.splitlines() (and a text file's universal newlines) also break at \\r, \\v, \\f,
+    \\x1c-\\x1e, U+0085, U+2028 and U+2029, which shifts every pair after one of them.
+    Inside a line they become spaces, so no tool downstream splits it; a CR before the
+    newline (CRLF files) and a UTF-8 byte-order mark are dropped.
+    """
     if not os.path.isfile(path):
         raise SystemExit(f"error: input file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        return f.read().splitlines()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise SystemExit(f"error: {path} is not UTF-8 text: line {line}, byte {error.start}: "
+                         f"{error.reason}; convert it first, e.g. iconv -f latin1 -t utf-8")
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the last line's newline
+    return [LINE_BREAKS.sub(" ", line.removesuffix("\r")) for line in lines]
 
 
 def read_parallel(prefix, src, tgt):
@@ -103,6 +122,26 @@ def fairseq_preprocess(args, text_dir):
     subprocess.run(cmd, check=True)
 
 
+def check_written(args, pairs):
+    """Exit unless every file written holds one line, and fairseq one sentence, a pair."""
+    from fairseq.data import data_utils  # slow to import; only needed here
+
+    for split, n in pairs.items():
+        for lang in (args.src, args.tgt):
+            paths = [os.path.join(args.out, "text", f"{split}.{kind}.{lang}") for kind in ("tok", "bpe")]
+            if split != "train":
+                paths.append(os.path.join(args.out, "raw", f"{split}.{lang}"))
+            for path in paths:
+                with open(path, encoding="utf-8") as f:  # lines as fairseq-preprocess reads them
+                    lines = sum(1 for _ in f)
+                if lines != n:
+                    raise SystemExit(f"error: {path} has {lines} lines for {n} sentence pairs")
+            stem = os.path.join(args.out, f"{split}.{args.src}-{args.tgt}.{lang}")
+            sentences = len(data_utils.load_indexed_dataset(stem, None))
+            if sentences != n:
+                raise SystemExit(f"error: {stem}.bin has {sentences} sentences for {n} pairs")
+
+
 def prepare(args):
     """Run the whole pipeline into args.out, unless .done says it is current."""
     data = {split: read_parallel(getattr(args, split), args.src, args.tgt)
@@ -141,6 +180,7 @@ def prepare(args):
                     [bpe.process_line(line) for line in lines])
 
     fairseq_preprocess(args, text_dir)
+    check_written(args, {split: len(data[split][0]) for split in SPLITS})
     write_lines(done, [digest])
     print(f"wrote {args.out}: " + ", ".join(
         f"{s} {len(data[s][0])}" for s in SPLITS) + " sentence pairs")

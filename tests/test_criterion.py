@@ -156,23 +156,28 @@ def test_random_head_trains_one_head_per_batch(data_dir):
     model.train()  # dropout is 0
     crit, sample = criterion(task, random_head=True), translation_batch(task, 4, seed=8)
     fc2 = model.decoder.heads.fc2
-    drawn = set()
+    drawn, keys = set(), set()
     torch.manual_seed(0)
     for _ in range(12):
         model.zero_grad()
         loss, _, log = crit(model, sample)
-        heads = [key for key in log if key.startswith("loss_h")]
-        assert len(heads) == 1
-        h = int(heads[0][len("loss_h"):])
-        assert torch.equal(loss, log[heads[0]])
+        # Every head's keys, in one order, whichever was drawn: fairseq sums by the first log's keys.
+        keys.add(tuple(log))
+        trained = [h for h in (1, 2, 3, 4) if log[f"ntokens_h{h}"] > 0]
+        assert len(trained) == 1
+        h = trained[0]
+        assert torch.equal(loss, log[f"loss_h{h}"])
+        for other in {1, 2, 3, 4} - {h}:
+            assert [log[f"{key}_h{other}"] for key in ("loss", "ntokens", "n_correct", "total")] == [0] * 4
         full = criterion(task)(model, sample)[2]
         assert torch.allclose(log["nll_loss"], full["nll_loss"])  # head 1's nll, whichever head
+        assert (log["n_correct"], log["total"]) == (full["n_correct"], full["total"])  # and accuracy
         loss.backward()
         # fc2's output rows are the heads' slices: only the drawn head's get a gradient.
         rows = fc2.weight.grad.view(4, -1).abs().sum(dim=1)
         assert [i + 1 for i in range(4) if rows[i] > 0] == [h]
         drawn.add(h)
-    assert len(drawn) > 1
+    assert len(drawn) > 1 and len(keys) == 1
     model.eval()  # validation scores every head
     _, _, log = crit(model, sample)
     assert {f"loss_h{h}" for h in (1, 2, 3, 4)} <= set(log) and "block_sum" in log
@@ -225,5 +230,48 @@ def test_random_head_draws_head_1_by_its_weight(data_dir):
         crit = criterion(task, random_head=True, head1_weight=weight)
         drawn = set()
         for _ in range(12):
-            drawn |= {int(key[len("loss_h"):]) for key in crit(model, sample)[2] if key.startswith("loss_h")}
+            log = crit(model, sample)[2]
+            drawn |= {h for h in (1, 2, 3, 4) if log[f"ntokens_h{h}"] > 0}
         assert drawn == expected
+
+
+def test_left_padded_targets_are_masked_for_every_head(data_dir):
+    """--left-pad-target: [[8 9 10 eos] [pad pad 11 eos]] by hand. Head 1 has 4 + 2 targets,
+    head 2 (t+1) 3 + 1 (11 -> eos), head 3 (t+2) 2 + 0; a pad position trains no head."""
+    task, _, _ = build(data_dir, "--block-size", "3")
+    d = task.target_dictionary
+    pad, eos = d.pad(), d.eos()
+    target = torch.tensor([[8, 9, 10, eos], [pad, pad, 11, eos]])
+    assert shift_target(target, 1, pad).tolist() == [[9, 10, eos, pad], [pad, pad, eos, pad]]
+    assert shift_target(target, 2, pad).tolist() == [[10, eos, pad, pad], [pad, pad, pad, pad]]
+    sample = {"net_input": {}, "target": target, "ntokens": 6}
+    right = OracleHeads([shift_target(target, i, pad) for i in range(3)], len(d))
+    _, _, log = BlockwiseCrossEntropyCriterion(task, False, 0.0)(right, sample)
+    assert [log[f"ntokens_h{h}"] for h in (1, 2, 3)] == [6, 4, 2]
+    assert [log[f"total_h{h}"] for h in (1, 2, 3)] == [6, 4, 2]
+    assert all(log[f"n_correct_h{h}"] == log[f"total_h{h}"] for h in (1, 2, 3))
+    assert log["block_sum"] == (3 + 3 + 2 + 1) + (2 + 1) and log["block_count"] == 6
+
+
+def test_shortlisted_heads_count_targets_outside_it_as_misses(data_dir):
+    """--head-vocab 10, heads right wherever they can be, by hand on [5 25 6 eos]: head 2's
+    targets are 25 6 eos, 25 outside the shortlist: no part of its loss, a miss in its accuracy."""
+    task, _, _ = build(data_dir, "--block-size", "3")
+    d = task.target_dictionary
+    pad, eos, vocab = d.pad(), d.eos(), 10
+    target = torch.tensor([[5, 25, 6, eos]])
+    oracle = OracleHeads([shift_target(target, i, pad) for i in range(3)], len(d))
+    oracle.decoder.head_vocab = vocab
+    oracle.decoder.proposal_logits = lambda x: x[..., :vocab]  # the first `vocab` entries
+    sample = {"net_input": {}, "target": target, "ntokens": 4}
+    _, _, log = criterion(task)(oracle, sample)
+    assert [log[f"ntokens_h{h}"] for h in (1, 2, 3)] == [4, 2, 2]  # in the loss
+    assert [log[f"total_h{h}"] for h in (1, 2, 3)] == [4, 3, 2]  # in the accuracy
+    assert [log[f"n_correct_h{h}"] for h in (1, 2, 3)] == [4, 2, 2]
+    # Head 2 cannot propose the out-of-shortlist token at t=0: block 1 there, then 3, 2, 1.
+    assert (log["block_sum"], log["block_count"]) == (1 + 3 + 2 + 1, 4)
+    with metrics.aggregate() as aggregate:
+        BlockwiseCrossEntropyCriterion.reduce_metrics([log])
+    values = aggregate.get_smoothed_values()
+    assert values["acc_h2"] == pytest.approx(100 * 2 / 3, abs=1e-2)
+    assert values["acc_h3"] == 100 and values["block"] == pytest.approx(7 / 4, abs=1e-3)

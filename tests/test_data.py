@@ -162,3 +162,65 @@ def test_detokenize_removes_bpe_and_moses_tokens():
     assert detok.detokenize("God 's Spirit , \" he said . \"", "en") == \
         "God's Spirit, \"he said.\""
     assert detok.main(["--lang", "en", os.devnull]) is None
+
+
+def test_line_separators_inside_lines_keep_pairs_aligned(tmp_path):
+    """str.splitlines() breaks at U+2028, U+0085, \\r, ...: each is a space inside a line."""
+    pairs = toy_pairs(60)
+    marked = list(pairs)
+    marked[10] = (pairs[10][0].replace(" sagt", "\u2028sagt"), pairs[10][1])
+    marked[40] = (pairs[40][0], pairs[40][1].replace(" he", "\x85he"))
+    marked[20] = (pairs[20][0].replace(" ", "\u2029", 1), pairs[20][1])
+    marked[30] = (pairs[30][0], pairs[30][1].replace(" ", "\v", 1))
+    # Three extra breaks on each side: read with splitlines, 63 pairs, all but 10 misaligned.
+    marked[50] = (pairs[50][0].replace(" ", "\r", 1), pairs[50][1].replace(" ", "\x1c", 1))
+    for name, corpus in (("plain", pairs), ("marked", marked)):
+        (tmp_path / name).mkdir()
+        write_corpus(tmp_path / name / "train", corpus)
+        write_corpus(tmp_path / name / "valid", corpus[:7])
+        write_corpus(tmp_path / name / "test", [corpus[10]] + corpus[40:44])
+        prepare_data.main(cli_args(tmp_path / name))
+    plain, marked_out = tmp_path / "plain" / "bin", tmp_path / "marked" / "bin"
+    for name, n in (("train.tok.de", 60), ("train.tok.en", 60), ("train.bpe.de", 60),
+                    ("train.bpe.en", 60), ("test.tok.en", 5)):
+        lines = (marked_out / "text" / name).read_text(encoding="utf-8").split("\n")
+        assert len(lines) == n + 1  # the last newline
+        assert lines == (plain / "text" / name).read_text(encoding="utf-8").split("\n"), name
+    # The references for BLEU: one line a pair, whatever reads them.
+    assert (marked_out / "raw" / "test.en").read_text(encoding="utf-8").splitlines() == \
+        [en.replace("\x85", " ") for _, en in [marked[10]] + marked[40:44]]
+    assert (marked_out / "train.de-en.en.bin").read_bytes() == (plain / "train.de-en.en.bin").read_bytes()
+
+
+def test_a_line_break_in_what_was_written_is_caught(corpus, monkeypatch):
+    """Counts are checked on what was written, as fairseq-preprocess reads it."""
+    tokenize = prepare_data.tokenize
+
+    def tokenize_breaking_a_line(lines, lang, workers=2):
+        out = tokenize(lines, lang, workers)
+        return [out[0].replace(" ", "\r", 1)] + out[1:]
+
+    monkeypatch.setattr(prepare_data, "tokenize", tokenize_breaking_a_line)
+    with pytest.raises(SystemExit, match=r"train\.tok\.de has 61 lines for 60 sentence pairs"):
+        prepare_data.main(cli_args(corpus))
+    assert not (corpus / "bin" / ".done").exists()
+
+
+def test_non_utf8_input_names_the_file(corpus):
+    (corpus / "valid.en").write_bytes("The man sees the dog.\nThe caf\xe9 he says.\n".encode("latin-1"))
+    with pytest.raises(SystemExit, match=r"valid\.en is not UTF-8 text: line 2"):
+        prepare_data.main(cli_args(corpus))
+
+
+def test_byte_order_mark_is_dropped(corpus):
+    for name in ("train.de", "train.en", "test.en"):
+        path = corpus / name
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    prepare_data.main(cli_args(corpus))
+    out = corpus / "bin"
+    dictionary = (out / "dict.en.txt").read_text(encoding="utf-8")
+    assert "\ufeff" not in dictionary
+    references = (out / "raw" / "test.en").read_text(encoding="utf-8")
+    assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
+    first = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")[0]
+    assert first == "Der mann sieht den Hund , sagt er ."  # no BOM token before "Der"

@@ -5,6 +5,8 @@ exactly where its last checkpoint left it.
 Resuming a two-process run (rank 0 reads checkpoint_last.pt, rank 1 receives it) is
 test_train.test_two_process_resume.
 """
+import json
+import math
 import os
 import re
 import signal
@@ -60,6 +62,29 @@ def copyfile(src, dst, **kwargs):
     return fairseq_copyfile(src, dst, **kwargs)
 
 shutil.copyfile = copyfile
+sys.argv[0] = "fairseq-train"
+train.cli_main()
+"""
+
+# Every rank writes each micro-batch's logging output, as the criterion returned it, to
+# OUT/rank{R}.jsonl: what the training log's sums over micro-batches and ranks must equal.
+EVERY_RANK_RECORDS = """
+import json, sys
+from fairseq_cli import train
+import torch
+from fairseq.tasks.fairseq_task import FairseqTask
+
+out = sys.argv.pop(1)
+fairseq_train_step = FairseqTask.train_step
+
+def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+    result = fairseq_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad)
+    log = {key: float(value) for key, value in result[2].items()}
+    with open(f"{out}/rank{torch.distributed.get_rank()}.jsonl", "a") as f:
+        f.write(json.dumps({"update": update_num + 1, "dummy": ignore_grad, "log": log}) + "\\n")
+    return result
+
+FairseqTask.train_step = train_step
 sys.argv[0] = "fairseq-train"
 train.cli_main()
 """
@@ -264,3 +289,56 @@ def test_checkpoint_cut_anywhere_is_named(base, tmp_path):
         message = f"cannot read checkpoint {path}: the file is truncated or corrupt"
         with pytest.raises(CheckpointError, match=f"^{re.escape(message)}"):
             checkpoint_utils.load_checkpoint_to_cpu(path)
+
+
+def two_ranks(script, *args):
+    """Ranks 0 and 1 on CPU: gloo, legacy_ddp, one process per rank (no spawn)."""
+    port = free_port()
+    return [
+        python(script, *args, "--distributed-world-size", "2", "--distributed-rank", str(rank),
+               "--distributed-init-method", f"tcp://localhost:{port}", "--distributed-no-spawn",
+               "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")
+        for rank in (0, 1)
+    ]
+
+
+def train_inner(log):
+    """{update: {metric: value}} from fairseq's per-update training lines (--log-interval 1)."""
+    found = {}
+    for fields in re.findall(r"\| epoch \d+:\s+\d+ / \d+ (.*)", log):
+        values = dict(re.findall(r"(\w+)=([-\d.]+)", fields))
+        found[int(values["num_updates"])] = {key: float(value) for key, value in values.items()}
+    return found
+
+
+def test_random_head_logs_the_sum_over_ranks_and_micro_batches(base, tmp_path):
+    """--random-head with --update-freq 2 on two ranks: each micro-batch trains its own head,
+    and the log shows, per head, what all four computed together."""
+    ranks = two_ranks(EVERY_RANK_RECORDS, str(tmp_path), *heads_command(
+        base, "finetuned", tmp_path, "--random-head", "--report-accuracy", "--update-freq", "2",
+        "--max-update", "4", "--disable-validation",
+    ))
+    log = finish_ranks(ranks)[0]
+    logged = train_inner(log)
+    assert sorted(logged) == [1, 2, 3, 4], log[-3000:]
+    computed = [json.loads(line) for rank in (0, 1) for line in open(tmp_path / f"rank{rank}.jsonl")]
+    assert not any(record["dummy"] for record in computed)
+    mixed = 0
+    for update, metrics in logged.items():
+        logs = [record["log"] for record in computed if record["update"] == update]
+        assert len(logs) == 4  # 2 ranks x 2 micro-batches
+
+        def total(key):
+            return sum(log.get(key, 0) for log in logs)
+
+        drawn = {h for h in (1, 2, 3) if total(f"ntokens_h{h}") > 0}
+        mixed += len(drawn) > 1
+        assert {key for key in metrics if key.startswith("loss_h")} == {f"loss_h{h}" for h in drawn}
+        for h in drawn:
+            loss = total(f"loss_h{h}") / total(f"ntokens_h{h}") / math.log(2)
+            assert metrics[f"loss_h{h}"] == pytest.approx(loss, abs=1e-3), (update, h)
+            accuracy = 100 * total(f"n_correct_h{h}") / total(f"total_h{h}")
+            assert metrics[f"acc_h{h}"] == pytest.approx(accuracy, abs=1e-2), (update, h)
+        # fairseq's own accuracy is head 1's on every batch, whichever head was trained.
+        assert metrics["accuracy"] == pytest.approx(100 * total("n_correct") / total("total"), abs=1e-3)
+    assert mixed > 0  # some update trained more than one head
