@@ -27,7 +27,11 @@ class TranslationBlockwiseConfig(TranslationConfig):
     )
     blockwise: bool = field(
         default=False,
-        metadata={"help": "decode with blockwise parallel decoding (greedy; see --blockwise-topk)"},
+        metadata={
+            "help": "decode with blockwise parallel decoding: exactly --beam 1 (see --blockwise-topk). "
+            "A --beam given is a request, fairseq's default 5 included: only --beam 1 is accepted. "
+            "Not given, this task decodes greedily under --blockwise and with beam 5 without it"
+        },
     )
     blockwise_topk: int = field(
         default=1,
@@ -224,8 +228,13 @@ REFUSED = {
 
 def skipped_input(dataset, index, max_positions, dictionary, words=10):
     """The warning for an input too long for the model, naming it by its first words."""
+    (source, target), limits = dataset.size(index), max_positions
+    source_limit, target_limit = limits if isinstance(limits, tuple) else (limits, limits)
+    if source > source_limit:
+        why = (f"an input of {source} tokens, more than the model's {source_limit} source positions "
+               f"(--truncate-source cuts it instead)")
+    else:
+        why = f"an input whose reference has {target} tokens, more than the model's {target_limit} target positions"
     tokens = dataset.src[index]
     more = " ..." if len(tokens) > words else ""
-    return (f"skipped input #{index}: its size {dataset.size(index)} exceeds the model's "
-            f"{max_positions} positions (--truncate-source cuts a long source instead): "
-            f"{dictionary.string(tokens[:words])}{more}")
+    return f"skipped {why}: {dictionary.string(tokens[:words])}{more}"
