@@ -168,8 +168,8 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse(f"{flag} needs --sampling (fairseq refuses it alone), which blockwise decoding cannot do")
         if getattr(args, "temperature", 1.0) <= 0:
             refuse(f"--temperature must be greater than 0 (got {args.temperature})")
-        if (extra_gen_cls_kwargs or {}).get("lm_model") is not None:
-            refuse("cannot be combined with --lm-path")
+        if (extra_gen_cls_kwargs or {}).get("lm_model") is not None:  # fairseq-generate's loaded --lm-path
+            refuse(REFUSED["lm_path"])
         if prefix_allowed_tokens_fn is not None:
             refuse("cannot be combined with prefix_allowed_tokens_fn")
         if len(models) != 1:

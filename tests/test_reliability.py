@@ -31,13 +31,10 @@ def tiny(tmp_path_factory):
     return trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))
 
 
-def cli_main(tool, *args, stdin="", stdout=None):
-    """fairseq-<tool>'s entry point in this process, as the command would run it: its stdout.
-
-    Pass `stdout` (a StringIO) to read what a failing run printed before it failed.
-    """
+def cli_main(tool, *args, stdin=""):
+    """fairseq-<tool>'s entry point in this process, as the command would run it: its stdout."""
     module = importlib.import_module(f"fairseq_cli.{tool}")  # imported late: it configures logging
-    stdout = stdout or io.StringIO()
+    stdout = io.StringIO()
     argv = [f"fairseq-{tool}", *map(str, args)]
     with mock.patch.object(sys, "argv", argv), mock.patch.object(sys, "stdin", io.StringIO(stdin)):
         with contextlib.redirect_stdout(stdout):
@@ -51,10 +48,10 @@ def generate(tiny, *args, checkpoint=None):
                     "--path", checkpoint or tiny.checkpoint, "--cpu", "--num-workers", 0, *args)
 
 
-def interactive(tiny, *args, stdin, data=None, checkpoint=None, stdout=None):
+def interactive(tiny, *args, stdin, data=None, checkpoint=None):
     return cli_main("interactive", data or tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
                     "--path", checkpoint or tiny.checkpoint, "--cpu", "--source-lang", "de",
-                    "--target-lang", "en", *args, stdin=stdin, stdout=stdout)
+                    "--target-lang", "en", *args, stdin=stdin)
 
 
 @pytest.mark.parametrize("decoding", [["--blockwise"], ["--beam", 1]])
