@@ -10,7 +10,7 @@ from fairseq.ngram_repeat_block import NGramRepeatBlock
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks.translation import TranslationTask
 
-from conftest import build, random_sample
+from conftest import build, random_sample, write_dicts
 from test_generator import Oracle, assert_same, blockwise, greedy
 
 from fairseq_bpd.errors import BlockwiseRequestError
@@ -89,17 +89,16 @@ def generation_args(**override):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from conftest import write_dicts
-
+def seeded(tmp_path_factory):
+    """The tests' tiny seeded float64 model under --blockwise, and a batch of 5 sentences."""
     data = write_dicts(str(tmp_path_factory.mktemp("data")))
     task, model, _ = build(data, "--block-size", "4", "--blockwise", seed=2)
     return task, model, random_sample(task, bsz=5, seed=11)
 
 
 @pytest.mark.parametrize("name,value,refusal", CASES, ids=[f"{n}={v}" for n, v, _ in CASES])
-def test_every_generation_field_is_honoured_or_refused(tiny, name, value, refusal):
-    task, model, sample = tiny
+def test_every_generation_field_is_honoured_or_refused(seeded, name, value, refusal):
+    task, model, sample = seeded
     args = generation_args(**{name: value})
     if refusal is not HONOURED:
         with pytest.raises(BlockwiseRequestError, match=f"^--blockwise: .*{refusal}"):
@@ -112,8 +111,8 @@ def test_every_generation_field_is_honoured_or_refused(tiny, name, value, refusa
     assert_same(expected, generator.generate([model], sample))
 
 
-def test_match_source_len_gives_every_output_its_source_length(tiny):
-    task, model, sample = tiny
+def test_match_source_len_gives_every_output_its_source_length(seeded):
+    task, model, sample = seeded
     lengths = sample["net_input"]["src_lengths"].tolist()
     expected = greedy(model, task, sample)
     assert [len(e["tokens"]) - 1 for e in expected] != lengths  # the constraint bites
@@ -142,10 +141,10 @@ def repeats(tokens, n):
     return len(ngrams) != len(set(ngrams))
 
 
-def test_no_repeat_ngram_blocking_that_bites_gives_greedy_output(tiny):
-    task, model, sample = tiny
+def test_no_repeat_ngram_blocking_that_bites_gives_greedy_output(seeded):
+    task, model, sample = seeded
     plain = greedy(model, task, sample)
-    assert any(repeats(e["tokens"].tolist(), 2) for e in plain), "the tiny model should repeat itself"
+    assert any(repeats(e["tokens"].tolist(), 2) for e in plain), "the seeded model should repeat itself"
     stock = SequenceGenerator([model], task.target_dictionary, beam_size=1, max_len_b=20, no_repeat_ngram_size=2)
     assert_same(plain, stock.generate([model], sample))  # fairseq's CPU blocker blocks nothing
     stock.repeat_ngram_blocker = PrefixBlocker(2, use_extension=False)
@@ -165,9 +164,9 @@ def test_no_repeat_ngram_blocking_that_bites_gives_greedy_output(tiny):
         assert_same(expected, hypos)
 
 
-def test_a_beam_is_a_request_only_when_given(tiny):
+def test_a_beam_is_a_request_only_when_given(seeded):
     """--eval-bleu-args hands build_generator a Namespace of the JSON's keys alone."""
-    task, model, _ = tiny
+    task, model, _ = seeded
     assert task.build_generator([model], Namespace(**json.loads("{}"))).block_size == 4
     for beam in (5, 2):
         with pytest.raises(BlockwiseRequestError, match=f"--beam {beam} was given"):
@@ -183,8 +182,8 @@ def test_without_blockwise_a_beam_not_given_is_fairseqs_5(data_dir):
     assert task.build_generator([model], args).beam_size == 5 == args.beam
 
 
-def test_blockwise_topk_must_stay_below_the_vocabulary(tiny):
-    task, model, sample = tiny
+def test_blockwise_topk_must_stay_below_the_vocabulary(seeded):
+    task, model, sample = seeded
     size = len(task.target_dictionary)
     task.cfg.blockwise_topk = size - 1  # accepts every finite proposal: still runs
     try:
@@ -209,8 +208,8 @@ def test_adaptive_softmax_is_refused_when_the_model_is_built(data_dir):
         build(data_dir, "--block-size", "3", "--adaptive-softmax-cutoff", "10")
 
 
-def test_generator_refusals_are_of_the_one_class(tiny):
-    task, model, sample = tiny
+def test_generator_refusals_are_of_the_one_class(seeded):
+    task, model, sample = seeded
     generator = task.build_generator([model], generation_args())
     with pytest.raises(BlockwiseRequestError, match="^--blockwise: cannot decode with a prefix"):
         generator.generate([model], sample, prefix_tokens=torch.ones(5, 1, dtype=torch.long))
