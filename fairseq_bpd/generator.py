@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
+from .errors import BlockwiseRequestError
+
 logger = logging.getLogger(__name__)
 
 
@@ -166,7 +168,7 @@ class BlockwiseGenerator(nn.Module):
             NGramRepeatBlock(no_repeat_ngram_size) if no_repeat_ngram_size > 0 else None
         )
         if temperature <= 0:
-            raise ValueError("--temperature must be greater than 0")
+            raise BlockwiseRequestError("--temperature must be greater than 0")
         self.stats = BlockwiseStats()
         # fairseq-generate has no end-of-run hook: report when the generator goes.
         self.report_at_exit = weakref.finalize(self, _log_summary, self.stats)
@@ -178,7 +180,7 @@ class BlockwiseGenerator(nn.Module):
     @torch.no_grad()
     def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
         if prefix_tokens is not None or constraints is not None:
-            raise ValueError("--blockwise cannot decode with a prefix or constraints")
+            raise BlockwiseRequestError("--blockwise: cannot decode with a prefix or constraints")
         return self._generate(sample, bos_token)
 
     def _generate(self, sample, bos_token=None):
@@ -219,7 +221,7 @@ class BlockwiseGenerator(nn.Module):
                 block, steps.clamp(max=max_len), encoder_out, incremental_state
             )
             invocations += 1
-            lprobs = self.head1_lprobs(features, steps, tokens, block, max_len)
+            lprobs = self.head1_lprobs(features, steps, tokens, block, max_len, src_lengths[sentence])
 
             # 2. Verify the proposals with head 1 and accept the longest agreeing prefix.
             score = torch.where(length > 0, scores.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0], 0.0)
@@ -275,8 +277,11 @@ class BlockwiseGenerator(nn.Module):
             proposals = self.propose(at_last, sentence, tokens, length)
         return finalized
 
-    def head1_lprobs(self, features, steps, tokens, block, max_len):
-        """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V."""
+    def head1_lprobs(self, features, steps, tokens, block, max_len, src_lengths):
+        """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V.
+
+        steps: b x n, the step each output predicts; src_lengths: b.
+        """
         decoder = self.model.decoder
         logits = decoder.project(decoder.head1_features(features))
         if self.temperature != 1.0:
@@ -294,6 +299,9 @@ class BlockwiseGenerator(nn.Module):
             lprobs[..., self.eos].masked_fill_(below_min_len, -math.inf)
         if self.repeat_ngram_blocker is not None:
             self.block_repeated_ngrams(lprobs, steps, tokens, block, max_len)
+        if self.match_source_len:  # fairseq's LengthConstrainedBeamSearch, after all the above
+            at_length = steps >= src_lengths[:, None]
+            lprobs[..., self.eos].masked_fill_(~at_length, -math.inf).masked_fill_(at_length, 0.0)
         return lprobs
 
     def block_repeated_ngrams(self, lprobs, steps, tokens, block, max_len):

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from fairseq import utils
+from fairseq import hub_utils, utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
@@ -22,6 +22,9 @@ from fairseq.models.transformer import (
     transformer_iwslt_de_en,
     transformer_wmt_en_de_big,
 )
+
+from .errors import BlockwiseRequestError
+from .hub import BlockwiseHubInterface
 
 logger = logging.getLogger(__name__)
 
@@ -278,20 +281,28 @@ class BlockwiseTransformerModel(TransformerModel):
     def build_model(cls, args, task):
         blockwise_base_architecture(args)
         if args.block_size < 1:
-            raise ValueError(f"--block-size must be at least 1 (got {args.block_size})")
+            raise BlockwiseRequestError(f"--block-size must be at least 1 (got {args.block_size})")
         problem = shortlist_problem("--head-vocab", args.head_vocab, task.target_dictionary)
         if problem:
-            raise ValueError(problem)
-        if args.head_vocab and args.adaptive_softmax_cutoff:
-            raise ValueError("--head-vocab needs the decoder's plain output projection, not --adaptive-softmax-cutoff")
+            raise BlockwiseRequestError(problem)
+        if args.adaptive_softmax_cutoff:  # at training and at loading alike
+            raise BlockwiseRequestError("--adaptive-softmax-cutoff: the proposal heads need the "
+                                        "decoder's plain output projection, not an adaptive softmax")
         if args.freeze_base and args.block_size == 1 and args.head_layout == "base":
-            raise ValueError("--freeze-base with --block-size 1 and --head-layout base leaves nothing to train")
+            raise BlockwiseRequestError("--freeze-base with --block-size 1 and --head-layout base leaves nothing to train")
         model = super().build_model(args, task)
         if args.freeze_base:
             for name, param in model.named_parameters():
                 if not name.startswith("decoder.heads."):
                     param.requires_grad_(False)
         return model
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):
+        """fairseq's loading, with a hub whose translate() under --blockwise asks for no beam."""
+        loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
+                                           archive_map=cls.hub_models(), **kwargs)
+        return BlockwiseHubInterface(loaded["args"], loaded["task"], loaded["models"])
 
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):

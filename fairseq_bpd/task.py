@@ -1,13 +1,15 @@
 """translation_blockwise: fairseq's translation task plus blockwise parallel decoding."""
+import dataclasses
 import logging
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from .errors import BlockwiseRequestError
 from .generator import BlockwiseGenerator
 from .model import BlockwiseDecoder, shortlist_problem
 
@@ -25,7 +27,11 @@ class TranslationBlockwiseConfig(TranslationConfig):
     )
     blockwise: bool = field(
         default=False,
-        metadata={"help": "decode with blockwise parallel decoding (greedy; see --blockwise-topk)"},
+        metadata={
+            "help": "decode with blockwise parallel decoding: exactly --beam 1 (see --blockwise-topk). "
+            "A --beam given is a request, fairseq's default 5 included: only --beam 1 is accepted. "
+            "Not given, this task decodes greedily under --blockwise and with beam 5 without it"
+        },
     )
     blockwise_topk: int = field(
         default=1,
@@ -63,25 +69,57 @@ class TranslationBlockwiseConfig(TranslationConfig):
     )
 
 
-def _flag_given(name):
-    return any(a == name or a.startswith(name + "=") for a in sys.argv)
+# translation_blockwise's default --beam: "not given". fairseq's own default, 5, cannot
+# be told from an explicit --beam 5, which --blockwise must refuse. Not given, decoding
+# is greedy under --blockwise and fairseq's beam 5 without it.
+BEAM_NOT_GIVEN = 0
 
 
 @register_task("translation_blockwise", dataclass=TranslationBlockwiseConfig)
 class TranslationBlockwiseTask(TranslationTask):
-    """TranslationTask whose generator is blockwise parallel decoding under --blockwise."""
+    """TranslationTask whose generator is blockwise parallel decoding under --blockwise.
+
+    Every refusal raises BlockwiseRequestError (fairseq_bpd/errors.py).
+    """
 
     cfg: TranslationBlockwiseConfig
+    # fairseq-generate and -interactive skip a too-long input, naming it, instead of
+    # ending the run; the hub turns this off (it returns one output per input).
+    skip_invalid_inputs = True
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        if parser.get_default("beam") is not None:  # a generation parser, not fairseq-train's
+            parser.set_defaults(beam=BEAM_NOT_GIVEN)
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
         # fairseq drops a last batch whose size is not a multiple of this flag.
         kwargs["required_batch_size_multiple"] = 1
         return super().get_batch_iterator(dataset, *args, **kwargs)
 
+    def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs=False):
+        if ignore_invalid_inputs or not self.skip_invalid_inputs:
+            return super().filter_indices_by_size(indices, dataset, max_positions, ignore_invalid_inputs)
+        indices, ignored = dataset.filter_indices_by_size(indices, max_positions)
+        for index in ignored:
+            logger.warning(skipped_input(dataset, index, max_positions, self.source_dictionary))
+        return indices
+
+    def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
+        # fairseq-interactive's lines: --truncate-source cuts them as load_dataset cuts files.
+        if self.cfg.truncate_source:
+            limit = self.cfg.max_source_positions
+            src_tokens = [t if len(t) <= limit else torch.cat([t[: limit - 1], t[-1:]]) for t in src_tokens]
+            src_lengths = [min(int(n), limit) for n in src_lengths]
+        return super().build_dataset_for_inference(src_tokens, src_lengths, constraints)
+
     def build_generator(
         self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None
     ):
         if not self.cfg.blockwise:
+            if getattr(args, "beam", None) == BEAM_NOT_GIVEN:
+                args.beam = GenerationConfig.beam
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
@@ -109,54 +147,94 @@ class TranslationBlockwiseTask(TranslationTask):
         )
 
     def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
-        """Refuse, naming the flag, what blockwise (greedy) decoding cannot honour."""
+        """Refuse, naming the flag, what blockwise (greedy) decoding cannot honour exactly."""
 
         def refuse(message):
-            raise ValueError(f"--blockwise: {message}")
+            raise BlockwiseRequestError(f"--blockwise: {message}")
+
+        def given(name):
+            return getattr(args, name, GENERATION_DEFAULTS[name]) != GENERATION_DEFAULTS[name]
 
         beam = getattr(args, "beam", 1)
-        # fairseq's default --beam 5 is not a request; an explicit --beam N > 1 is.
-        if beam != 1 and (beam != GenerationConfig.beam or _flag_given("--beam")):
+        if beam not in (BEAM_NOT_GIVEN, 1):  # any beam given, fairseq's default 5 included
             refuse(f"decoding is greedy, but --beam {beam} was given; use --beam 1 or drop --blockwise")
         if getattr(args, "nbest", 1) > 1:
             refuse("gives one hypothesis; --nbest must be 1")
-        if getattr(args, "sampling", False):
-            refuse("cannot be combined with --sampling")
-        if getattr(args, "prefix_size", 0) > 0:
-            refuse("cannot be combined with --prefix-size")
-        if getattr(args, "constraints", None):
-            refuse("cannot be combined with --constraints")
-        if getattr(args, "score_reference", False):
-            refuse("cannot be combined with --score-reference, which decodes nothing; drop --blockwise")
-        if getattr(args, "print_alignment", None):
-            refuse("gives no alignments; drop --print-alignment")
-        if (extra_gen_cls_kwargs or {}).get("lm_model") is not None:
-            refuse("cannot be combined with --lm-path")
+        for name in REFUSED:
+            if given(name):
+                refuse(REFUSED[name])
+        if given("sampling_topk") or given("sampling_topp"):
+            flag = "--sampling-topk" if given("sampling_topk") else "--sampling-topp"
+            refuse(f"{flag} needs --sampling (fairseq refuses it alone), which blockwise decoding cannot do")
+        if getattr(args, "temperature", 1.0) <= 0:
+            refuse(f"--temperature must be greater than 0 (got {args.temperature})")
+        if (extra_gen_cls_kwargs or {}).get("lm_model") is not None:  # fairseq-generate's loaded --lm-path
+            refuse(REFUSED["lm_path"])
         if prefix_allowed_tokens_fn is not None:
             refuse("cannot be combined with prefix_allowed_tokens_fn")
-        if getattr(args, "diverse_beam_groups", -1) > 0 or getattr(args, "diversity_rate", -1) > 0:
-            refuse("cannot be combined with diverse beam search")
         if len(models) != 1:
             refuse(f"decodes with one model, but {len(models)} were given in --path")
-        decoder = models[0].decoder
+        self.check_blockwise_model(models[0].decoder, refuse)
+        self.check_blockwise_flags(models[0].decoder, refuse)
+
+    def check_blockwise_model(self, decoder, refuse):
+        """Refuse checkpoints whose decoding a block pass does not reproduce."""
         if not isinstance(decoder, BlockwiseDecoder):
             refuse(
                 "the checkpoint has no proposal heads (it was not trained with "
                 "--arch transformer_blockwise*); train heads on it first, or decode without --blockwise"
             )
+        if decoder.cross_self_attention:
+            refuse("cannot decode a --cross-self-attention model: its layers cache the encoder "
+                   "states with the decoder's keys, which a block pass does not reproduce")
+
+    def check_blockwise_flags(self, decoder, refuse):
+        """Refuse values of the task's own decoding flags that mean nothing."""
         k = self.cfg.block_size
         if k is not None and not 1 <= k <= decoder.block_size:
             refuse(f"--block-size must be between 1 and the checkpoint's {decoder.block_size} heads (got {k})")
-        if self.cfg.blockwise_topk < 1:
-            refuse(f"--blockwise-topk must be at least 1 (got {self.cfg.blockwise_topk})")
+        vocab_size = len(self.target_dictionary)
+        if not 1 <= self.cfg.blockwise_topk < vocab_size:
+            refuse(f"--blockwise-topk must be between 1 and {vocab_size - 1}, below the target "
+                   f"dictionary's {vocab_size} entries (got {self.cfg.blockwise_topk})")
         if self.cfg.blockwise_min_block < 1:
             refuse(f"--blockwise-min-block must be at least 1 (got {self.cfg.blockwise_min_block})")
         if not 0 <= self.cfg.blockwise_confidence <= 1:
             refuse(f"--blockwise-confidence must be between 0 and 1 (got {self.cfg.blockwise_confidence})")
-        vocab = self.cfg.blockwise_proposal_vocab
-        problem = shortlist_problem("--blockwise-proposal-vocab", vocab, self.target_dictionary)
+        problem = shortlist_problem("--blockwise-proposal-vocab", self.cfg.blockwise_proposal_vocab,
+                                    self.target_dictionary)
         if problem:
             refuse(problem)
-        if vocab and getattr(decoder, "output_projection", None) is None:
-            refuse("--blockwise-proposal-vocab needs the decoder's plain output projection "
-                   "(this model has an adaptive softmax)")
+
+
+GENERATION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
+
+# GenerationConfig fields whose non-default value blockwise decoding refuses: each
+# changes fairseq's search (or reads what greedy verification cannot reproduce).
+REFUSED = {
+    "sampling": "cannot be combined with --sampling",
+    "prefix_size": "cannot be combined with --prefix-size",
+    "constraints": "cannot be combined with --constraints",
+    "score_reference": "cannot be combined with --score-reference, which decodes nothing; drop --blockwise",
+    "print_alignment": "gives no alignments; drop --print-alignment",
+    "lm_path": "cannot be combined with --lm-path",
+    "diverse_beam_groups": "cannot be combined with --diverse-beam-groups (diverse beam search)",
+    "diversity_rate": "cannot be combined with --diversity-rate: any value but its default -1 "
+                      "switches fairseq to diverse siblings search",
+    "retain_dropout": "cannot be combined with --retain-dropout: with dropout every decoder pass "
+                      "is random, so no output can equal greedy's",
+}
+
+
+def skipped_input(dataset, index, max_positions, dictionary, words=10):
+    """The warning for an input too long for the model, naming it by its first words."""
+    (source, target), limits = dataset.size(index), max_positions
+    source_limit, target_limit = limits if isinstance(limits, tuple) else (limits, limits)
+    if source > source_limit:
+        why = (f"an input of {source} tokens, more than the model's {source_limit} source positions "
+               f"(--truncate-source cuts it instead)")
+    else:
+        why = f"an input whose reference has {target} tokens, more than the model's {target_limit} target positions"
+    tokens = dataset.src[index]
+    more = " ..." if len(tokens) > words else ""
+    return f"skipped {why}: {dictionary.string(tokens[:words])}{more}"

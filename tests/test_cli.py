@@ -125,6 +125,7 @@ def test_interactive_blockwise_equals_greedy(runs):
 
 
 def test_hub_interface(tiny):
+    from fairseq_bpd.errors import BlockwiseRequestError
     from fairseq_bpd.model import BlockwiseTransformerModel
 
     def load(**overrides):
@@ -138,12 +139,16 @@ def test_hub_interface(tiny):
     greedy = load().translate(sentences, beam=1)
     hub = load(task="translation_blockwise", blockwise=True)
     assert hub.task.cfg.blockwise
-    assert hub.translate(sentences) == greedy  # translate's default beam=5 is not a request
-    hypos = hub.generate([hub.encode(s) for s in sentences], beam=1)
-    assert [hub.decode(h[0]["tokens"]) for h in hypos] == greedy
-    assert all(1 <= h[0]["steps"] <= len(h[0]["tokens"]) for h in hypos)
-    with pytest.raises(ValueError, match="--beam 4"):
-        hub.translate(sentences, beam=4)
+    assert hub.translate(sentences) == hub.translate(sentences, beam=1) == greedy  # no beam given: greedy
+    for hypos in (hub.generate([hub.encode(s) for s in sentences], beam=1),
+                  hub.generate([hub.encode(s) for s in sentences])):
+        assert [hub.decode(h[0]["tokens"]) for h in hypos] == greedy
+        assert all(1 <= h[0]["steps"] <= len(h[0]["tokens"]) for h in hypos)
+    for beam in (4, 5):  # 5, fairseq's default, is a request when given
+        with pytest.raises(BlockwiseRequestError, match=f"--beam {beam} was given"):
+            hub.translate(sentences, beam=beam)
+    # Without --blockwise, no beam given is fairseq's 5.
+    assert load().translate(sentences) == load().translate(sentences, beam=5)
 
 
 def test_eval_bleu_during_training(runs):

@@ -8,6 +8,8 @@ import contextlib
 import importlib
 import io
 import logging
+import os
+import subprocess
 import sys
 from argparse import Namespace
 from unittest import mock
@@ -17,7 +19,9 @@ import torch
 from fairseq import checkpoint_utils
 
 from conftest import build
-from cli_support import PLUGIN, TEST_SUBSETS, hypotheses, run, trained
+from cli_support import BIN, ENV, PLUGIN, TEST_SUBSETS, assert_same_hypotheses, hypotheses, run, trained
+
+from fairseq_bpd.errors import BlockwiseRequestError
 
 SIZES = {n: subset for subset, n in TEST_SUBSETS.items()}
 
@@ -27,13 +31,10 @@ def tiny(tmp_path_factory):
     return trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))
 
 
-def cli_main(tool, *args, stdin="", stdout=None):
-    """fairseq-<tool>'s entry point in this process, as the command would run it: its stdout.
-
-    Pass `stdout` (a StringIO) to read what a failing run printed before it failed.
-    """
+def cli_main(tool, *args, stdin=""):
+    """fairseq-<tool>'s entry point in this process, as the command would run it: its stdout."""
     module = importlib.import_module(f"fairseq_cli.{tool}")  # imported late: it configures logging
-    stdout = stdout or io.StringIO()
+    stdout = io.StringIO()
     argv = [f"fairseq-{tool}", *map(str, args)]
     with mock.patch.object(sys, "argv", argv), mock.patch.object(sys, "stdin", io.StringIO(stdin)):
         with contextlib.redirect_stdout(stdout):
@@ -47,10 +48,10 @@ def generate(tiny, *args, checkpoint=None):
                     "--path", checkpoint or tiny.checkpoint, "--cpu", "--num-workers", 0, *args)
 
 
-def interactive(tiny, *args, stdin, data=None, checkpoint=None, stdout=None):
+def interactive(tiny, *args, stdin, data=None, checkpoint=None):
     return cli_main("interactive", data or tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
                     "--path", checkpoint or tiny.checkpoint, "--cpu", "--source-lang", "de",
-                    "--target-lang", "en", *args, stdin=stdin, stdout=stdout)
+                    "--target-lang", "en", *args, stdin=stdin)
 
 
 @pytest.mark.parametrize("decoding", [["--blockwise"], ["--beam", 1]])
@@ -101,7 +102,7 @@ BAD_REQUESTS = {
     "--nbest 2": (["--nbest", 2], "--nbest must be 1"),
     "--score-reference": (["--score-reference"], "--score-reference"),
     "--print-alignment": (["--print-alignment"], "--print-alignment"),
-    "--blockwise-topk 0": (["--blockwise-topk", 0], "--blockwise-topk must be at least 1"),
+    "--blockwise-topk 0": (["--blockwise-topk", 0], "--blockwise-topk must be between 1 and 47"),
     "--blockwise-min-block 0": (["--blockwise-min-block", 0], "--blockwise-min-block must be at least 1"),
     "--blockwise-confidence 1.5": (["--blockwise-confidence", 1.5], "--blockwise-confidence must be between 0 and 1"),
     "--blockwise-proposal-vocab -1": (["--blockwise-proposal-vocab", -1],
@@ -110,38 +111,71 @@ BAD_REQUESTS = {
                                      "--blockwise-proposal-vocab must be 0 \\(all\\) or between 5"),
     "--blockwise-proposal-vocab 10000": (["--blockwise-proposal-vocab", 10000],
                                          "--blockwise-proposal-vocab must be 0 \\(all\\) or between 5"),
+    "--blockwise-topk 48": (["--blockwise-topk", 48], "--blockwise-topk must be between 1 and 47"),
+    "--diversity-rate -0.5": (["--diversity-rate", -0.5], "--diversity-rate"),
+    "--diverse-beam-groups 2": (["--diverse-beam-groups", 2], "--diverse-beam-groups"),
+    "--sampling-topk 5": (["--sampling-topk", 5], "--sampling-topk needs --sampling"),
+    "--sampling-topp 0.5": (["--sampling-topp", 0.5], "--sampling-topp needs --sampling"),
+    "--retain-dropout": (["--retain-dropout"], "--retain-dropout"),
+    "--temperature 0": (["--temperature", 0], "--temperature must be greater than 0"),
 }
 
 
 @pytest.mark.parametrize("request_", BAD_REQUESTS.values(), ids=list(BAD_REQUESTS))
 def test_generate_refuses_by_name(tiny, request_):
     args, message = request_
-    with pytest.raises(ValueError, match=f"^--blockwise: .*{message}"):
+    with pytest.raises(BlockwiseRequestError, match=f"^--blockwise: .*{message}"):
         generate(tiny, "--blockwise", "--batch-size", 8, *args)
 
 
 def test_refusals_without_heads_and_with_constraints(tiny, headless):
-    with pytest.raises(ValueError, match="^--blockwise: the checkpoint has no proposal heads"):
+    with pytest.raises(BlockwiseRequestError, match="^--blockwise: the checkpoint has no proposal heads"):
         generate(tiny, "--blockwise", "--batch-size", 8, checkpoint=headless)
-    with pytest.raises(ValueError, match="^--blockwise: cannot be combined with --constraints"):
+    with pytest.raises(BlockwiseRequestError, match="^--blockwise: cannot be combined with --constraints"):
         interactive(tiny, "--blockwise", "--constraints", stdin="s1 s2\tt1\n")
 
 
 def test_refuses_a_language_model(data_dir):
     """fairseq-generate --lm-path hands its LM to build_generator; blockwise would ignore it."""
     task, model, _ = build(data_dir, "--block-size", "3", "--blockwise")
-    with pytest.raises(ValueError, match="^--blockwise: cannot be combined with --lm-path"):
+    with pytest.raises(BlockwiseRequestError, match="^--blockwise: cannot be combined with --lm-path"):
         task.build_generator([model], Namespace(beam=1), extra_gen_cls_kwargs={"lm_model": model, "lm_weight": 0.3})
 
 
-def test_the_command_line_shows_the_refusal_last(tiny):
-    """fairseq's own argument checks end the command with a traceback; ours do the same,
-    the message naming the flag on the last line."""
-    output = run("fairseq-generate", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
-                 "--path", tiny.checkpoint, "--cpu", "--blockwise", "--beam", 5, fails=True)
-    assert output.strip().splitlines()[-1] == (
-        "ValueError: --blockwise: decoding is greedy, but --beam 5 was given; use --beam 1 or drop --blockwise"
+def refused(tool, *args, stdin=None):
+    """Run a fairseq command that must refuse: the refusal, its stderr's last line."""
+    process = subprocess.run([os.path.join(BIN, tool), *map(str, args)], input=stdin, capture_output=True,
+                             text=True, env=ENV, timeout=300)
+    output = process.stdout + process.stderr
+    assert process.returncode != 0 and "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == [process.stderr.splitlines()[-1]], output[-3000:]
+    return errors[0]
+
+
+def test_commands_print_a_refusal_on_one_line(tiny):
+    """fairseq-generate and -interactive end with `error: --blockwise: ...`, not a traceback."""
+    decode = ["--user-dir", PLUGIN, "--task", "translation_blockwise", "--path", tiny.checkpoint, "--cpu",
+              "--blockwise"]
+    assert refused("fairseq-generate", tiny.data, *decode, "--beam", 5) == (
+        "error: --blockwise: decoding is greedy, but --beam 5 was given; use --beam 1 or drop --blockwise"
     )
+    assert refused("fairseq-interactive", tiny.data, *decode, "--diversity-rate", -0.5,
+                   "--source-lang", "de", "--target-lang", "en", stdin="s1 s2\n").startswith(
+        "error: --blockwise: cannot be combined with --diversity-rate"
+    )
+
+
+def test_training_refuses_an_adaptive_softmax_on_one_line(tiny, tmp_path):
+    assert refused("fairseq-train", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
+                   "--arch", "transformer_blockwise", "--block-size", 2, "--adaptive-softmax-cutoff", 20,
+                   "--criterion", "blockwise_cross_entropy", "--cpu", "--max-update", 1, "--max-tokens", 500,
+                   "--save-dir", tmp_path).startswith("error: --adaptive-softmax-cutoff: ")
+
+
+def test_a_beam_not_given_is_fairseqs_5_without_blockwise(tiny):
+    output = generate(tiny, "--batch-size", 8)
+    assert "Generate test with beam=5:" in output and len(hypotheses(output)) == 20
 
 
 def test_checkpoint_of_another_dictionary_fails_at_load(tiny, tmp_path):
@@ -152,22 +186,72 @@ def test_checkpoint_of_another_dictionary_fails_at_load(tiny, tmp_path):
         interactive(tiny, "--blockwise", stdin="s1 s2\n", data=tmp_path)
 
 
-def test_interactive_keeps_going_past_empty_and_overlong_lines(tiny, caplog):
-    lines = ["s1 s2 s3", "", " ".join(f"s{i}" for i in range(12)), "s4 s5", "s6 s7 s8 s9"]
+def test_interactive_skips_an_overlong_line_naming_it_and_translates_the_rest(tiny, caplog):
+    long_line = " ".join(f"s{i}" for i in range(12))
+    lines = ["s1 s2 s3", "", long_line, "s4 s5", "s6 s7 s8 s9"]
     source = "\n".join(lines) + "\n"
     read = ["--max-source-positions", 8, "--buffer-size", 2, "--batch-size", 2]
     translations = []
     for decoding in (["--blockwise"], ["--beam", 1]):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            found = hypotheses(interactive(tiny, *read, *decoding, "--skip-invalid-size-inputs-valid-test",
-                                           stdin=source))
-        assert "1 samples have invalid sizes and will be skipped" in caplog.text
+            found = hypotheses(interactive(tiny, *read, *decoding, stdin=source))
+        assert ("skipped an input of 13 tokens, more than the model's 8 source positions "
+                "(--truncate-source cuts it instead): s0 s1 s2 s3 s4 s5 s6 s7 s8 s9 ...") in caplog.text
         assert sorted(found) == [0, 1, 3, 4]  # the empty line translated, as fairseq does
         translations.append({i: tokens for i, (_, tokens) in found.items()})
-        # Without --skip-invalid-size-inputs-valid-test fairseq stops at the long line, naming it.
-        printed = io.StringIO()
-        with pytest.raises(Exception, match="Size of sample #0 is invalid .* --skip-invalid-size-inputs-valid-test"):
-            interactive(tiny, *read, *decoding, stdin=source, stdout=printed)
-        assert sorted(hypotheses(printed.getvalue())) == [0, 1]
+        # --truncate-source translates its first 7 words (and EOS) instead.
+        truncated = hypotheses(interactive(tiny, *read, *decoding, "--truncate-source", stdin=source))
+        assert sorted(truncated) == [0, 1, 2, 3, 4]
+        cut = hypotheses(interactive(tiny, *decoding, stdin=" ".join(long_line.split()[:7]) + "\n"))
+        assert truncated[2][1] == cut[0][1]
     assert translations[0] == translations[1]
+
+
+def test_generate_skips_overlong_sentences_naming_them(tiny, caplog):
+    with open(f"{tiny.raw}/test.de") as f:
+        sources = f.read().splitlines()
+    fits = [i for i, line in enumerate(sources) if len(line.split()) + 1 <= 6]
+    assert 0 < len(fits) < len(sources)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        found = hypotheses(generate(tiny, "--blockwise", "--max-source-positions", 6, "--batch-size", 8))
+    assert sorted(found) == fits
+    for i, line in enumerate(sources):
+        assert (f"source positions (--truncate-source cuts it instead): {line}\n" in caplog.text + "\n") == (
+            i not in fits
+        )
+
+
+def test_the_hub_keeps_fairseqs_error_for_an_overlong_input(tiny):
+    """It returns one output per input: skipping would shift the others."""
+    from fairseq_bpd.model import BlockwiseTransformerModel
+
+    hub = BlockwiseTransformerModel.from_pretrained(
+        tiny.save_dir, checkpoint_file="checkpoint_last.pt", data_name_or_path=tiny.data, user_dir=PLUGIN,
+        task="translation_blockwise", blockwise=True, max_source_positions=8,
+    )
+    with pytest.raises(Exception, match="Size of sample #1 is invalid"):
+        hub.translate(["s1 s2", " ".join(f"s{i}" for i in range(12))])
+
+
+@pytest.mark.parametrize("option", [["--match-source-len"], ["--min-len", 4, "--lenpen", 0.5],
+                                    ["--unkpen", -2, "--temperature", 0.7]])
+def test_generate_keeps_fairseqs_greedy_options(tiny, option):
+    expected = hypotheses(generate(tiny, "--beam", 1, "--batch-size", 8, *option))
+    assert_same_hypotheses(expected, hypotheses(generate(tiny, "--blockwise", "--batch-size", 8, *option)))
+
+
+def test_match_source_len_through_the_hub(tiny):
+    from fairseq_bpd.model import BlockwiseTransformerModel
+
+    def load(**overrides):
+        return BlockwiseTransformerModel.from_pretrained(
+            tiny.save_dir, checkpoint_file="checkpoint_last.pt", data_name_or_path=tiny.data,
+            user_dir=PLUGIN, **overrides,
+        )
+
+    sentences = ["s1 s2 s3 s4", "s5 s6", "s7 s8 s9 s10 s11 s12"]
+    greedy = load().translate(sentences, beam=1, match_source_len=True)
+    assert [len(t.split()) for t in greedy] == [5, 3, 7]  # the source's words and EOS
+    assert load(task="translation_blockwise", blockwise=True).translate(sentences, match_source_len=True) == greedy
