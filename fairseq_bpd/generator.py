@@ -2,13 +2,13 @@
 
 Each decoder invocation feeds a block: the last committed token and the k-1 tokens the
 proposal heads predicted after it. Head 1's outputs over the block verify the
-proposals; the longest verified prefix is accepted, the rejected suffix is rolled back
+proposals; the longest verified prefix is accepted, the rejected suffix is cropped
 from the cache, and the heads at the last accepted position propose the next block
 (combined scoring and proposal: m/k + 1 invocations for m tokens, not 2m/k).
+One invocation: forward_block -> verify -> accept -> commit -> crop -> retire -> propose.
 """
 import logging
 import math
-import weakref
 from collections import Counter
 
 import torch
@@ -66,37 +66,26 @@ def confident_width(best, log_confidence):
     return int(confident.sum(dim=1).max())
 
 
-def roll_back(decoder, incremental_state, cached, kept, block_width):
-    """Drop the rejected suffix of the block just fed.
+def commit(block, candidates, values, running, kept, eos):
+    """What a verified block adds to each sentence (pure: reads its inputs only).
 
-    cached, kept: b. Before the call each layer's self-attention cache holds, per
-    sentence, `cached` valid entries left-aligned in a common width W, then the
-    block's `block_width` entries. Afterwards it holds the cached prefix and the first
-    `kept` block entries, left-aligned in a width of max(cached + kept), the rest
-    hidden by the key padding mask. Returns cached + kept.
+    block: b x n, the last committed token then the proposals along the accepted
+    path; candidates, values: b x n x K and running: b x n from verify; kept: b, the
+    accepted count from accept. The block's outputs are its kept proposals followed
+    by head 1's choice after the last of them. Returns the output tokens b x n (after
+    the kept ones: anything), their running scores b x n, how many of them the
+    sentence keeps b (up to and with the first EOS) and whether it ended b.
     """
-    lengths = cached + kept
-    width = int(lengths.max())
-    total = decoder.layers[0].self_attn._get_input_buffer(incremental_state)["prev_key"].size(2)
-    old_width = total - block_width
-    uniform = bool((cached == old_width).all() and (lengths == width).all())
-    if not uniform:
-        columns = torch.arange(width, device=cached.device).unsqueeze(0)  # 1 x W'
-        index = torch.where(columns < cached[:, None], columns, old_width + columns - cached[:, None])
-        index = index.clamp(max=total - 1)  # b x W'; clamped columns are masked
-        padding = columns >= lengths[:, None]  # b x W'
-    for layer in decoder.layers:
-        buffer = layer.self_attn._get_input_buffer(incremental_state)
-        for key in ("prev_key", "prev_value"):
-            cache = buffer[key]  # b x heads x W+n x d
-            if uniform:
-                buffer[key] = cache[:, :, :width]
-            else:
-                expanded = index[:, None, :, None].expand(-1, cache.size(1), -1, cache.size(3))
-                buffer[key] = cache.gather(2, expanded)
-        buffer["prev_key_padding_mask"] = None if uniform else padding
-        layer.self_attn._set_input_buffer(incremental_state, buffer)
-    return lengths
+    offsets = torch.arange(block.size(1), device=block.device)
+    last = (kept - 1)[:, None]  # b x 1
+    outputs = torch.cat([block[:, 1:], block[:, :1]], dim=1)  # proposal j+1 at j
+    outputs.scatter_(1, last, candidates[:, :, 0].gather(1, last))
+    output_scores = torch.cat([running[:, 1:], running[:, :1]], dim=1)
+    output_scores.scatter_(1, last, values[:, :, 0].gather(1, last))
+    is_eos = outputs.eq(eos) & (offsets < kept[:, None])
+    finished = is_eos.any(dim=1)
+    added = torch.where(finished, is_eos.long().argmax(dim=1) + 1, kept)
+    return outputs, output_scores, added, finished
 
 
 class BlockwiseStats:
@@ -110,6 +99,11 @@ class BlockwiseStats:
         iterations = sum(self.accepted.values())
         return sum(size * count for size, count in self.accepted.items()) / max(iterations, 1)
 
+    def log(self):
+        """Log the summary, if anything was decoded."""
+        if self.sentences:
+            logger.info(self.summary())
+
     def summary(self):
         histogram = " ".join(f"{size}:{self.accepted[size]}" for size in sorted(self.accepted))
         return (
@@ -119,9 +113,35 @@ class BlockwiseStats:
         )
 
 
-def _log_summary(stats):
-    if stats.sentences:
-        logger.info(stats.summary())
+class Batch:
+    """The sentences still decoding and what each has so far; finished ones leave.
+
+    sentence: b, ids in the input batch; tokens: b x L, BOS then the output; scores:
+    b x L, the running score after each output; attn: b x S x L or None; length: b,
+    outputs so far; cached: b, decoder inputs in the cache; invocations: b.
+    """
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def select(self, rows):
+        """Keep the sentences at `rows` (b')."""
+        for name, value in vars(self).items():
+            if value is not None:
+                setattr(self, name, value[rows])
+
+    def store(self, outputs, output_scores, added, block_attn, pad):
+        """Write a block's outputs b x n after each sentence's; outputs past `added` read pad."""
+        columns = self.length[:, None] + 1 + torch.arange(outputs.size(1), device=outputs.device)
+        is_added = columns <= self.length[:, None] + added[:, None]
+        self.tokens.scatter_(1, columns, torch.where(is_added, outputs, pad))
+        self.scores.scatter_(1, columns - 1, output_scores.to(self.scores))
+        if block_attn is not None:
+            if self.attn is None:
+                self.attn = self.scores.new_zeros(*block_attn.shape[::2], self.scores.size(1))
+            index = columns[:, None, :].expand(-1, block_attn.size(2), -1)
+            self.attn.scatter_(2, index, block_attn.transpose(1, 2).to(self.attn))
+        self.length = self.length + added
 
 
 class BlockwiseGenerator(nn.Module):
@@ -146,6 +166,7 @@ class BlockwiseGenerator(nn.Module):
         temperature=1.0,
         match_source_len=False,
         no_repeat_ngram_size=0,
+        stats=None,
     ):
         super().__init__()
         self.model = model
@@ -167,9 +188,8 @@ class BlockwiseGenerator(nn.Module):
         )
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
-        self.stats = BlockwiseStats()
-        # fairseq-generate has no end-of-run hook: report when the generator goes.
-        self.report_at_exit = weakref.finalize(self, _log_summary, self.stats)
+        # The task passes one for a whole run, and logs it (task.py).
+        self.stats = BlockwiseStats() if stats is None else stats
 
     def cuda(self):
         self.model.cuda()
@@ -185,100 +205,97 @@ class BlockwiseGenerator(nn.Module):
         model, decoder = self.model, self.model.decoder
         net_input = sample["net_input"]
         src_tokens, src_lengths = net_input["src_tokens"], net_input["src_lengths"]
-        bsz, src_len = src_tokens.size()[:2]
-        if self.match_source_len:
-            max_len = int(src_lengths.max())
-        else:
-            max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
-        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        max_len = self.max_length(src_tokens, src_lengths)
         encoder_out = model.encoder.forward_torchscript(net_input)
-        device = src_tokens.device
-
-        # Per active sentence. The k extra columns absorb writes past a sentence's end.
-        width = max_len + 2 + self.block_size
-        sentence = torch.arange(bsz, device=device)
-        tokens = src_tokens.new_full((bsz, width), self.pad)
-        tokens[:, 0] = self.eos if bos_token is None else bos_token
-        scores = torch.zeros(bsz, width, device=device)  # running score after token i+1
-        attn = None
-        length = torch.zeros(bsz, dtype=torch.long, device=device)  # committed tokens
-        cached = torch.zeros_like(length)  # decoder inputs in the cache
-        invocations = torch.zeros_like(length)
-        proposals = tokens.new_empty(bsz, 0)
+        batch = self.start(src_tokens, max_len, bos_token)
+        proposals = src_tokens.new_empty(batch.length.size(0), 0)
         incremental_state = {}
-        finalized = [[] for _ in range(bsz)]
+        finalized = [[] for _ in range(src_tokens.size(0))]
 
         first_pass = True  # on BOS alone: it verifies nothing, so it is no accepted block
-        while sentence.numel() > 0:
+        while True:
             # 1. One decoder pass over the block: the last committed token, then the proposals.
-            block = torch.cat([tokens.gather(1, length[:, None]), proposals], dim=1)  # b x n
+            block = torch.cat([batch.tokens.gather(1, batch.length[:, None]), proposals], dim=1)  # b x n
             n = block.size(1)
-            offsets = torch.arange(n, device=device)
-            steps = length[:, None] + offsets  # b x n: the step each output predicts
+            steps = batch.length[:, None] + torch.arange(n, device=block.device)  # b x n: the step each output predicts
             features, block_attn = decoder.forward_block(
                 block, steps.clamp(max=max_len), encoder_out, incremental_state
             )
-            invocations += 1
-            lprobs = self.head1_lprobs(features, steps, tokens, block, max_len)
+            batch.invocations += 1
+            lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len)
 
-            # 2. Verify the proposals with head 1 and accept the longest agreeing prefix.
-            score = torch.where(length > 0, scores.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-            candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk)
-            limit = (max_len + 1 - length).clamp(max=n)  # no output past step max_len
+            # 2. Verify the proposals with head 1, 3. accept the longest agreeing prefix.
+            candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk)
+            limit = (max_len + 1 - batch.length).clamp(max=n)  # no output past step max_len
             kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
 
-            # 3. Commit the kept proposals and head 1's choice after them.
-            last = (kept - 1)[:, None]  # b x 1
-            committed = torch.cat([block[:, 1:], block[:, :1]], dim=1)  # proposal j+1 at j
-            committed.scatter_(1, last, candidates[:, :, 0].gather(1, last))
-            committed_scores = torch.cat([running[:, 1:], running[:, :1]], dim=1)
-            committed_scores.scatter_(1, last, values[:, :, 0].gather(1, last))
-            is_committed = offsets < kept[:, None]  # b x n
-            columns = length[:, None] + 1 + offsets
-            tokens.scatter_(1, columns, torch.where(is_committed, committed, self.pad))
-            scores.scatter_(1, columns - 1, committed_scores)
-            if block_attn is not None:
-                if attn is None:
-                    attn = scores.new_zeros(bsz, block_attn.size(2), width)
-                attn.scatter_(2, columns[:, None, :].expand(-1, block_attn.size(2), -1), block_attn.transpose(1, 2).float())
-            is_eos = committed.eq(self.eos) & is_committed
-            finished = is_eos.any(dim=1)
-            new_tokens = torch.where(finished, is_eos.long().argmax(dim=1) + 1, kept)
+            # 4. Commit the kept proposals and head 1's choice after them.
+            outputs, output_scores, added, finished = commit(block, candidates, values, running, kept, self.eos)
             if not first_pass or self.block_size == 1:
-                self.stats.accepted.update(new_tokens.tolist())
+                self.stats.accepted.update(added.tolist())
             first_pass = False
-            length = length + new_tokens
+            batch.store(outputs, output_scores, added, block_attn, self.pad)
 
-            # 4. Roll the rejected suffix out of the cache.
-            cached = roll_back(decoder, incremental_state, cached, kept, n)
+            # 5. Crop the rejected proposals out of the cache.
+            keep = torch.arange(n, device=block.device).expand(block.size(0), -1)
+            batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, keep, kept)
+            last = features.gather(1, (kept - 1)[:, None, None].expand(-1, -1, features.size(2)))[:, 0]  # b x C
 
-            # 5. Finished sentences leave the batch.
+            # 6. Finished sentences leave the batch.
             if finished.any():
-                for row in finished.nonzero()[:, 0].tolist():
-                    finalized[sentence[row]] = [
-                        self.hypothesis(tokens[row], scores[row], attn, row, int(length[row]),
-                                        int(invocations[row]), src_lengths[sentence[row]])
-                    ]
+                self.retire(batch, finished, finalized, src_lengths)
                 active = (~finished).nonzero()[:, 0]
                 if active.numel() == 0:
-                    break
-                sentence, tokens, scores, length, cached, invocations = (
-                    t[active] for t in (sentence, tokens, scores, length, cached, invocations)
-                )
-                attn = attn[active] if attn is not None else None
-                features, last = features[active], last[active]
+                    return finalized
+                batch.select(active)
+                last = last[active]
                 decoder.reorder_incremental_state_scripting(incremental_state, active)
                 encoder_out = model.encoder.reorder_encoder_out(encoder_out, active)
 
-            # 6. The heads at the last accepted position propose the next block.
-            at_last = features.gather(1, last[:, :, None].expand(-1, -1, features.size(2)))[:, 0]
-            proposals = self.propose(at_last, sentence, tokens, length)
-        return finalized
+            # 7. The heads at the last accepted position propose the next block.
+            proposals = self.propose(last, batch.sentence, batch.tokens, batch.length)
+
+    def max_length(self, src_tokens, src_lengths):
+        """The longest output allowed, EOS excluded: an int (fairseq's rule)."""
+        if self.match_source_len:
+            max_len = int(src_lengths.max())
+        else:
+            max_len = min(int(self.max_len_a * src_tokens.size(1) + self.max_len_b), self.max_len - 1)
+        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        return max_len
+
+    def start(self, src_tokens, max_len, bos_token):
+        """A Batch of BOS alone. The k extra columns absorb writes past a sentence's end."""
+        bsz, device = src_tokens.size(0), src_tokens.device
+        width = max_len + 2 + self.block_size
+        tokens = src_tokens.new_full((bsz, width), self.pad)
+        tokens[:, 0] = self.eos if bos_token is None else bos_token
+        length = torch.zeros(bsz, dtype=torch.long, device=device)
+        return Batch(
+            sentence=torch.arange(bsz, device=device), tokens=tokens,
+            scores=torch.zeros(bsz, width, device=device), attn=None, length=length,
+            cached=torch.zeros_like(length), invocations=torch.zeros_like(length),
+        )
+
+    @staticmethod
+    def score(batch):
+        """The float32 running score of each committed prefix: b."""
+        previous = batch.scores.gather(1, (batch.length - 1).clamp(min=0)[:, None])[:, 0]
+        return torch.where(batch.length > 0, previous, 0.0)
+
+    def retire(self, batch, finished, finalized, src_lengths):
+        """Hypotheses of the sentences that `finished` (b) marks, into `finalized`."""
+        for row in finished.nonzero()[:, 0].tolist():
+            sentence = int(batch.sentence[row])
+            finalized[sentence] = [
+                self.hypothesis(batch.tokens[row], batch.scores[row], batch.attn, row, int(batch.length[row]),
+                                int(batch.invocations[row]), src_lengths[sentence])
+            ]
 
     def head1_lprobs(self, features, steps, tokens, block, max_len):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V."""
         decoder = self.model.decoder
-        logits = decoder.project(decoder.head1_features(features))
+        logits = decoder.project(decoder.heads.head1_features(features))
         if self.temperature != 1.0:
             logits.div_(self.temperature)
         lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
@@ -316,16 +333,12 @@ class BlockwiseGenerator(nn.Module):
         lengths (b) are there for proposal models that read the prefix (the tests'
         oracles).
         """
-        if self.block_size == 1:
-            return features.new_empty(features.size(0), 0, dtype=torch.long)
-        decoder = self.model.decoder
-        heads = decoder.block_features(features, self.block_size)[:, 1:]  # b x k-1 x C
-        logits = decoder.project(heads, self.proposal_vocab)
-        logits[..., self.pad] = -math.inf  # a pad in the block would read as padding
+        heads = self.model.decoder.heads
+        proposals, lprobs = heads.propose(features, self.block_size, self.proposal_vocab)  # b x k-1 x 1
+        proposals = proposals[..., 0]
         if self.log_confidence == -math.inf:
-            return logits.argmax(dim=-1)
-        best, proposals = logits.log_softmax(dim=-1).max(dim=-1)  # b x k-1
-        return proposals[:, : confident_width(best, self.log_confidence)]
+            return proposals
+        return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]
 
     def hypothesis(self, tokens, scores, attn, row, length, invocations, src_length):
         """fairseq's hypothesis dict for one finished sentence of `length` tokens (EOS last)."""

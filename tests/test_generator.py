@@ -7,7 +7,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build, random_sample
 
-from fairseq_bpd.generator import BlockwiseGenerator, accept, confident_width, roll_back, verify
+from fairseq_bpd.generator import BlockwiseGenerator, accept, confident_width, verify
 
 GREEDY_OPTIONS = ("max_len_a", "max_len_b", "min_len", "normalize_scores", "len_penalty",
                   "unk_penalty", "temperature", "no_repeat_ngram_size")
@@ -40,7 +40,6 @@ class Oracle(BlockwiseGenerator):
 def blockwise(model, task, sample, block_size, generator_class=BlockwiseGenerator, **options):
     options.setdefault("max_len_b", 20)
     generator = generator_class(model, task.target_dictionary, block_size=block_size, **options)
-    generator.report_at_exit.detach()
     return generator.generate([model], sample), generator
 
 
@@ -117,7 +116,7 @@ def test_blocks_cut_by_confidence_give_greedy_output(data_dir, bsz):
         def propose(self, features, *args):
             proposals = super().propose(features, *args)
             # What the cut must have kept: the longest run of joint confidence >= P.
-            heads = self.model.decoder.block_features(features, self.block_size)[:, 1:]
+            heads = self.model.decoder.heads.block_features(features, self.block_size)[:, 1:]
             logits = self.model.decoder.project(heads)
             logits[..., self.pad] = -math.inf
             joint = logits.log_softmax(dim=-1).max(dim=-1)[0].cumsum(dim=1)
@@ -266,5 +265,5 @@ def test_cached_blocks_match_a_full_prefix_pass(data_dir):
         kept = torch.tensor(kept)
         for i in range(3):
             prefixes[i] += block[i, : kept[i]].tolist()
-        cached = roll_back(decoder, state, cached, kept, 4)
+        cached = decoder.crop_cache(state, cached, 4, torch.arange(4).expand(3, -1), kept)
         assert cached.tolist() == [len(p) for p in prefixes]
