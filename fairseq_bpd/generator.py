@@ -5,6 +5,8 @@ proposal heads predicted after it. Head 1's outputs over the block verify the
 proposals; the longest verified prefix is accepted, the rejected suffix is cropped
 from the cache, and the heads at the last accepted position propose the next block
 (combined scoring and proposal: m/k + 1 invocations for m tokens, not 2m/k).
+Under --blockwise-tree the block is a tree of candidates (tree.py) rather than a chain:
+the same steps, with an ancestor mask, positions by depth and the deepest verified path.
 One invocation: forward_block -> verify -> accept -> commit -> crop -> retire -> propose.
 """
 import logging
@@ -15,43 +17,62 @@ import torch
 from torch import nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
+from .tree import Tree, default_rates
+
 logger = logging.getLogger(__name__)
 
 
-def verify(lprobs, block, score, topk):
+def verify(lprobs, block, score, topk, tree):
     """Head 1's verdict on a block, ranked as fairseq's greedy ranks: log-prob + running score.
 
     lprobs: b x n x V, head 1 after each block token (fairseq's constraints applied);
-    block: b x n, the last committed token then n-1 proposals; score: b, the float32
-    running score of the committed prefix.
+    block: b x n, the last committed token then the candidates laid out as `tree`
+    (a chain: each after the one before); score: b, the float32 running score of the
+    committed prefix.
     Returns candidates b x n x max(2, topk) (token ids, best first), their ranked
     values b x n x max(2, topk), the running score before each output b x n, and
-    each proposal's log-prob b x n-1.
+    each candidate's log-prob after its parent b x n-1.
     """
-    proposal_lprobs = lprobs[:, :-1].gather(2, block[:, 1:, None]).squeeze(2)  # b x n-1
-    running = [score]
-    for j in range(block.size(1) - 1):  # sequential float32 sums, as fairseq's loop adds
-        running.append(running[-1] + proposal_lprobs[:, j])
-    running = torch.stack(running, dim=1)  # b x n
+    b, n, V = lprobs.shape
+    flat = tree.parents[1:] * V + block[:, 1:]  # b x n-1: a candidate in its parent's row
+    proposal_lprobs = lprobs.reshape(b, n * V).gather(1, flat)  # b x n-1
+    running = lprobs.new_empty(b, n, dtype=torch.promote_types(score.dtype, lprobs.dtype))
+    running[:, 0] = score
+    for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
+        running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
     values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=max(2, topk), dim=2)
     return candidates, values, running, proposal_lprobs
 
 
-def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block):
-    """How many block tokens each sentence keeps: b, in [1, limit].
+def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, tree):
+    """The deepest candidate each sentence accepts: its node b (0: none) and the outputs kept b.
 
-    Proposal j passes when it is among head 1's top `topk` after the tokens before
-    it (topk 1: exactly greedy) with a finite score; the first min_block - 1 proposals
-    pass unverified unless forbidden (log-prob -inf). The block keeps its first token
-    and the longest run of passing proposals.
+    A candidate passes when it is among head 1's top `topk` after its parent (topk 1:
+    exactly greedy) with a finite score; the chain's first min_block - 1 candidates
+    pass unverified unless forbidden (log-prob -inf). A node is accepted when it and
+    all its ancestors pass and its outputs (depth + 1, head 1's choice after it
+    included) fit in `limit` (b); the deepest wins, the first in node order on a tie
+    (possible only under topk > 1 or min_block > 1).
     """
-    proposals = block[:, 1:, None]  # b x n-1 x 1
-    ranked = (candidates[:, :-1, :topk] == proposals) & (values[:, :-1, :topk] > -math.inf)
+    parents = tree.parents[1:]
+    ranked = (candidates[:, parents, :topk] == block[:, 1:, None]) & (values[:, parents, :topk] > -math.inf)
     passes = ranked.any(dim=2)  # b x n-1
-    forced = torch.arange(passes.size(1), device=block.device) < min_block - 1
+    forced = tree.chain[1:] & (tree.depth[1:] < min_block)
     passes = passes | (forced & (proposal_lprobs > -math.inf))
-    run = passes.long().cumprod(dim=1).sum(dim=1)
-    return torch.minimum(1 + run, limit)
+    reached = torch.ones_like(block, dtype=torch.bool)  # b x n: the path to the node passes
+    for nodes, parents in tree.levels:
+        reached[:, nodes] = reached[:, parents] & passes[:, nodes - 1]
+    reached &= tree.depth < limit[:, None]
+    n = block.size(1)
+    order = tree.depth * n - torch.arange(n, device=block.device)  # deeper first, then earlier
+    node = torch.where(reached, order, -n).argmax(dim=1)
+    return node, tree.depth[node] + 1
+
+
+def along(path, *tensors):
+    """Each sentence's rows of b x n (x ...) tensors at its path's nodes path: b x m -> b x m (x ...)."""
+    return [t.gather(1, path.view(*path.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
+            for t in tensors]
 
 
 def confident_width(best, log_confidence):
@@ -166,6 +187,8 @@ class BlockwiseGenerator(nn.Module):
         temperature=1.0,
         match_source_len=False,
         no_repeat_ngram_size=0,
+        tree=0,
+        tree_rates=None,
         stats=None,
     ):
         super().__init__()
@@ -173,6 +196,9 @@ class BlockwiseGenerator(nn.Module):
         self.block_size = block_size
         self.topk, self.min_block = topk, min_block
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
+        # The candidates of a block: the chain of top choices, or the best tree of `tree` nodes.
+        heads = block_size - 1
+        self.layout = Tree.chain_of(heads) if not tree else Tree.best(tree_rates or default_rates(heads), tree, heads)
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -208,38 +234,44 @@ class BlockwiseGenerator(nn.Module):
         max_len = self.max_length(src_tokens, src_lengths)
         encoder_out = model.encoder.forward_torchscript(net_input)
         batch = self.start(src_tokens, max_len, bos_token)
-        proposals = src_tokens.new_empty(batch.length.size(0), 0)
+        layout = self.layout.to(src_tokens.device)
+        proposals = src_tokens.new_empty(batch.length.size(0), 0, layout.topn)  # b x heads x ranks
         incremental_state = {}
         finalized = [[] for _ in range(src_tokens.size(0))]
 
         first_pass = True  # on BOS alone: it verifies nothing, so it is no accepted block
         while True:
-            # 1. One decoder pass over the block: the last committed token, then the proposals.
-            block = torch.cat([batch.tokens.gather(1, batch.length[:, None]), proposals], dim=1)  # b x n
+            # 1. One decoder pass over the block: the last committed token, then the candidates.
+            tree = layout.upto(proposals.size(1))
+            nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]  # b x n-1: head depth+1, its rank
+            block = torch.cat([batch.tokens.gather(1, batch.length[:, None]), nodes], dim=1)  # b x n
             n = block.size(1)
-            steps = batch.length[:, None] + torch.arange(n, device=block.device)  # b x n: the step each output predicts
+            steps = batch.length[:, None] + tree.depth  # b x n: the step each output predicts
             features, block_attn = decoder.forward_block(
-                block, steps.clamp(max=max_len), encoder_out, incremental_state
+                block, steps.clamp(max=max_len), encoder_out, incremental_state, tree.mask
             )
             batch.invocations += 1
-            lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len)
+            lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree)
 
-            # 2. Verify the proposals with head 1, 3. accept the longest agreeing prefix.
-            candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk)
-            limit = (max_len + 1 - batch.length).clamp(max=n)  # no output past step max_len
-            kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
+            # 2. Verify the candidates with head 1, 3. accept the deepest agreeing path.
+            candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk, tree)
+            limit = max_len + 1 - batch.length  # no output past step max_len
+            node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
+            path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
 
-            # 4. Commit the kept proposals and head 1's choice after them.
-            outputs, output_scores, added, finished = commit(block, candidates, values, running, kept, self.eos)
+            # 4. Commit the path and head 1's choice after it.
+            outputs, output_scores, added, finished = commit(
+                *along(path, block, candidates, values, running), kept, self.eos
+            )
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
-            batch.store(outputs, output_scores, added, block_attn, self.pad)
+            batch.store(outputs, output_scores, added, None if block_attn is None else along(path, block_attn)[0],
+                        self.pad)
 
-            # 5. Crop the rejected proposals out of the cache.
-            keep = torch.arange(n, device=block.device).expand(block.size(0), -1)
-            batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, keep, kept)
-            last = features.gather(1, (kept - 1)[:, None, None].expand(-1, -1, features.size(2)))[:, 0]  # b x C
+            # 5. Crop all but the accepted path out of the cache.
+            batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
+            last = along(node[:, None], features)[0][:, 0]  # b x C
 
             # 6. Finished sentences leave the batch.
             if finished.any():
@@ -292,7 +324,7 @@ class BlockwiseGenerator(nn.Module):
                                 int(batch.invocations[row]), src_lengths[sentence])
             ]
 
-    def head1_lprobs(self, features, steps, tokens, block, max_len):
+    def head1_lprobs(self, features, steps, tokens, block, max_len, tree):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V."""
         decoder = self.model.decoder
         logits = decoder.project(decoder.heads.head1_features(features))
@@ -310,32 +342,34 @@ class BlockwiseGenerator(nn.Module):
         if below_min_len.any():
             lprobs[..., self.eos].masked_fill_(below_min_len, -math.inf)
         if self.repeat_ngram_blocker is not None:
-            self.block_repeated_ngrams(lprobs, steps, tokens, block, max_len)
+            self.block_repeated_ngrams(lprobs, steps, tokens, block, max_len, tree)
         return lprobs
 
-    def block_repeated_ngrams(self, lprobs, steps, tokens, block, max_len):
-        """fairseq's NGramRepeatBlock, called per sentence and position with what it sees there."""
+    def block_repeated_ngrams(self, lprobs, steps, tokens, block, max_len, tree):
+        """fairseq's NGramRepeatBlock, called per sentence and node with the path it sees there."""
         for row in range(block.size(0)):
-            prefix = tokens[row : row + 1, : max_len + 2].clone()
             start = int(steps[row, 0])
-            for j in range(min(block.size(1), max_len + 1 - start)):  # later outputs are unused
-                prefix[0, start + 1 : start + 1 + j] = block[row, 1 : 1 + j]
-                lprobs[row, j] = self.repeat_ngram_blocker(
-                    prefix, lprobs[row, j : j + 1], 1, 1, start + j
-                )[0]
+            for j in range(block.size(1)):
+                depth = int(tree.depth[j])
+                if start + depth > max_len:  # its output would be past the end: unused
+                    continue
+                prefix = tokens[row : row + 1, : max_len + 2].clone()
+                prefix[0, start + 1 : start + 1 + depth] = block[row, tree.paths[j, 1 : depth + 1]]
+                lprobs[row, j] = self.repeat_ngram_blocker(prefix, lprobs[row, j : j + 1], 1, 1, start + depth)[0]
 
     def propose(self, features, sentence, tokens, length):
-        """Heads 2..k at the last accepted position: features b x C -> b x n-1 tokens.
+        """Heads 2..k at the last accepted position: features b x C -> tokens b x w x topn.
 
-        n is k, or less under --blockwise-confidence (confident_width), since every
-        block position costs decoder and projection work whether or not it is accepted.
-        The heads need only `features`; the batch's sentence ids, tokens (b x L) and
-        lengths (b) are there for proposal models that read the prefix (the tests'
-        oracles).
+        Each head's `topn` best tokens, best first, topn being what the block's tree
+        uses (1 for the chain). w is k-1, or less under --blockwise-confidence
+        (confident_width), since every block position costs decoder and projection
+        work whether or not it is accepted. The heads need only `features`; the batch's
+        sentence ids, tokens (b x L) and lengths (b) are there for proposal models that
+        read the prefix (the tests' oracles).
         """
         heads = self.model.decoder.heads
-        proposals, lprobs = heads.propose(features, self.block_size, self.proposal_vocab)  # b x k-1 x 1
-        proposals = proposals[..., 0]
+        layout = self.layout
+        proposals, lprobs = heads.propose(features, layout.max_depth + 1, self.proposal_vocab, layout.topn)
         if self.log_confidence == -math.inf:
             return proposals
         return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]

@@ -11,6 +11,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from .generator import BlockwiseGenerator, BlockwiseStats
 from .model import BlockwiseDecoder, shortlist_problem
+from .tree import MAX_TREE, load_rates
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,23 @@ class TranslationBlockwiseConfig(TranslationConfig):
             "dictionary (fairseq-preprocess sorts it by frequency): their projection "
             "costs N/V of the full one; output stays exactly greedy, rare tokens are "
             "just never proposed (0: the checkpoint's --head-vocab, else the whole dictionary)"
+        },
+    )
+    blockwise_tree: int = field(
+        default=0,
+        metadata={
+            "help": "verify a tree of N candidate nodes per block in one decoder pass instead "
+            "of the chain of the heads' top choices: each node a path of (head, rank) "
+            "choices, the N of highest expected acceptance (fairseq_bpd/tree.py); output "
+            "stays exactly greedy (0: the chain)"
+        },
+    )
+    blockwise_tree_rates: str = field(
+        default="",
+        metadata={
+            "help": "the heads' top-r acceptance rates that shape --blockwise-tree, as "
+            "scripts/tree_rates.py writes them beside a checkpoint (default: a built-in "
+            "table, fairseq_bpd/tree.py default_rates)"
         },
     )
 
@@ -122,7 +140,21 @@ class TranslationBlockwiseTask(TranslationTask):
             match_source_len=getattr(args, "match_source_len", False),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
             stats=self.blockwise_stats,
+            **self.tree_request(),
         )
+
+    def tree_request(self):
+        """--blockwise-tree and its rates, checked: the generator's tree arguments."""
+        size, path = self.cfg.blockwise_tree, self.cfg.blockwise_tree_rates
+        if not 0 <= size <= MAX_TREE:
+            raise ValueError(f"--blockwise: --blockwise-tree must be between 0 (the chain) and {MAX_TREE} "
+                             f"nodes (got {size})")
+        if path and not size:
+            raise ValueError("--blockwise: --blockwise-tree-rates shapes a tree; give --blockwise-tree N too")
+        try:
+            return {"tree": size, "tree_rates": load_rates(path) if path else None}
+        except ValueError as error:
+            raise ValueError(f"--blockwise: {error}") from None
 
     def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
         """Refuse, naming the flag, what blockwise (greedy) decoding cannot honour."""

@@ -34,7 +34,7 @@ class Oracle(BlockwiseGenerator):
             if not (self.agree(s) if callable(self.agree) else self.agree):
                 row = [4 + (x - 3) % 20 for x in row]  # never the reference, never a special
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long).view(len(rows), self.block_size - 1)
+        return torch.tensor(rows, dtype=torch.long).view(len(rows), self.block_size - 1, 1)
 
 
 def blockwise(model, task, sample, block_size, generator_class=BlockwiseGenerator, **options):
@@ -189,7 +189,9 @@ def test_greedy_options_keep_their_meaning(data_dir, options):
     assert_same(expected, blockwise(model, task, sample, 4, **options)[0])
 
 
-def test_eos_inside_a_block_ends_the_sentence(data_dir):
+def eos_ending(data_dir):
+    """A k=4 model whose greedy output ends at several offsets of a block: model, task,
+    sample, greedy's hypotheses and their tokens."""
     task, model, _ = build(data_dir, "--block-size", "4", seed=5)
     eos = task.target_dictionary.eos()
     # A bias on EOS makes this tiny model end sentences after 2 to 20 tokens.
@@ -199,7 +201,11 @@ def test_eos_inside_a_block_ends_the_sentence(data_dir):
     sample = random_sample(task, bsz=8, seed=4)
     expected = greedy(model, task, sample)
     assert len({len(e["tokens"]) % 4 for e in expected}) > 2, "EOS should fall at several block offsets"
-    references = [e["tokens"] for e in expected]
+    return model, task, sample, expected, [e["tokens"] for e in expected]
+
+
+def test_eos_inside_a_block_ends_the_sentence(data_dir):
+    model, task, sample, expected, references = eos_ending(data_dir)
     for agree in (True, False, lambda s: s % 2 == 0):
         hypos, _ = blockwise(model, task, sample, 4, Oracle, references=references, agree=agree)
         assert_same(expected, hypos)
