@@ -154,6 +154,9 @@ def test_hub_interface(tiny):
     assert all(1 <= h[0]["steps"] <= len(h[0]["tokens"]) for h in hypos)
     with pytest.raises(ValueError, match="--beam 4"):
         hub.translate(sentences, beam=4)
+    tree = load(task="translation_blockwise", blockwise=True, blockwise_tree=8)
+    assert tree.translate(sentences) == greedy
+    assert tree.task.blockwise_stats.sentences == len(sentences)
 
 
 def test_eval_bleu_during_training(runs):
