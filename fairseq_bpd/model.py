@@ -199,24 +199,25 @@ class BlockwiseDecoder(TransformerDecoderBase):
 
         Before the call each layer's self-attention cache holds, per sentence, `cached`
         (b) valid entries left-aligned in a common width W, then the `block_width`
-        entries of the block just fed. keep: b x m, block positions in the order they stay (a chain's
-        accepted prefix 0, 1, ...; a tree's accepted path); the first `kept` (b) of
-        them stay. Afterwards the cache holds the prefix and those entries, left-aligned
+        entries of the block just fed. keep: b x m, block positions in the order they
+        stay (a chain's accepted prefix 0, 1, ...; a tree's accepted path); the first
+        `kept` (b) of them stay. Afterwards the cache holds the prefix and those entries, left-aligned
         in a width of max(cached + kept), the rest hidden by the key padding mask
         (fairseq's attention reads it with the cache). Returns cached + kept.
         """
         lengths = cached + kept
         width = int(lengths.max())
-        total = self.cache_width(incremental_state)
-        old_width = total - block_width
+        old_width = self.cache_width(incremental_state) - block_width
         columns = torch.arange(width, device=cached.device).unsqueeze(0)  # 1 x W'
-        from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
-        index = torch.where(columns < cached[:, None], columns, old_width + keep.gather(1, from_block))
-        padding = columns >= lengths[:, None]  # b x W'
-        # A chain whose sentences all keep the same count needs no gather: cut the tail.
+        # Sentences that all keep the same leading block entries after a full-width
+        # prefix (a chain, mostly) need no gather: cut the tail.
         uniform = bool((cached == old_width).all() and (lengths == width).all()) and bool(
-            (index == columns).all()
+            (keep[:, : width - old_width] == columns[:, : width - old_width]).all()
         )
+        if not uniform:
+            from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
+            index = torch.where(columns < cached[:, None], columns, old_width + keep.gather(1, from_block))
+            padding = columns >= lengths[:, None]  # b x W'; hidden, whatever index holds there
         for layer in self.layers:
             buffer = layer.self_attn._get_input_buffer(incremental_state)
             for key in ("prev_key", "prev_value"):
