@@ -196,11 +196,13 @@ class BlockwiseGenerator(nn.Module):
         self.block_size = block_size
         self.topk, self.min_block = topk, min_block
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
-        # The candidates of a block: the chain of top choices, or the best tree of `tree` nodes.
-        heads = block_size - 1
-        self.layout = Tree.chain_of(heads) if not tree else Tree.best(tree_rates or default_rates(heads), tree, heads)
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
+        # The candidates of a block: the chain of top choices, or the best tree of `tree`
+        # nodes, ranked among the tokens the heads may propose (padding never).
+        heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
+        rates = [row[:ranks] for row in tree_rates or default_rates(heads)]
+        self.layout = Tree.best(rates, tree, heads) if tree else Tree.chain_of(heads)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
         self.max_len_a, self.max_len_b = max_len_a, max_len_b

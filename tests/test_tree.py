@@ -243,3 +243,12 @@ def test_the_task_builds_the_tree_it_was_asked_for(data_dir, tmp_path):
     generator = task.build_generator([model], Namespace(beam=1))
     # .9 (0,), .5 (1,), .09 (0,0): the second choice of head 2 beats head 3's first.
     assert generator.layout.path_tuples() == [(), (0,), (1,), (0, 0)]
+
+
+def test_a_tree_ranks_no_deeper_than_the_proposal_vocabulary(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3", seed=1)
+    sample = random_sample(task, bsz=4, seed=1)
+    flat = [[0.5] * 10, [0.5] * 10]  # every rank as good: the tree wants ranks 0..9
+    hypos, generator = blockwise(model, task, sample, 3, tree=64, tree_rates=flat, proposal_vocab=5)
+    assert generator.layout.topn == 4  # 5 types, padding excluded
+    assert_same(greedy(model, task, sample), hypos)
