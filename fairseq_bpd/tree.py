@@ -24,13 +24,18 @@ MAX_TREE = 1024
 
 
 def default_rates(heads, ranks=MAX_RANK):
-    """Rates when none were measured: heads x ranks, p[h][r] = 0.6 * 0.8^h * 0.3^r.
+    """Rates when none were measured: heads x ranks.
 
-    Fitted loosely to a k=8 model's measured rates (issue 11: head 2's top token is
-    right 60% of the time, each later head's less; a second choice is worth about a
-    third of the first). Only the tree's shape depends on them, never its output.
+    Fitted to the fixture k=8 model's rates on held-out Bible data (scripts/tree_rates.py;
+    docs/tree.md): head h's top token is right with probability 0.6 * 0.78^(h-2), its
+    rank-r token (r >= 1) with 0.13 * 0.65^(r-1), at most the top token's. Only the
+    tree's shape depends on them, never its output.
     """
-    return [[0.6 * 0.8 ** h * 0.3 ** r for r in range(ranks)] for h in range(heads)]
+    rates = []
+    for h in range(heads):
+        top = 0.6 * 0.78 ** h
+        rates.append([top] + [min(top, 0.13 * 0.65 ** (r - 1)) for r in range(1, ranks)])
+    return rates
 
 
 def load_rates(path):
