@@ -2,13 +2,15 @@
 
 Each decoder invocation feeds a block: the last committed token and the k-1 tokens the
 proposal heads predicted after it. Head 1's outputs over the block verify the
-proposals; the longest verified prefix is accepted, the rejected suffix is rolled back
+proposals; the longest verified prefix is accepted, the rejected suffix is cropped
 from the cache, and the heads at the last accepted position propose the next block
 (combined scoring and proposal: m/k + 1 invocations for m tokens, not 2m/k).
+Under --blockwise-tree the block is a tree of candidates (tree.py) rather than a chain:
+the same steps, with an ancestor mask, positions by depth and the deepest verified path.
+One invocation: forward_block -> verify -> accept -> commit -> crop -> retire -> propose.
 """
 import logging
 import math
-import weakref
 from collections import Counter
 
 import torch
@@ -16,44 +18,62 @@ from torch import nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from .errors import BlockwiseRequestError
+from .tree import Tree, default_rates
 
 logger = logging.getLogger(__name__)
 
 
-def verify(lprobs, block, score, topk):
+def verify(lprobs, block, score, topk, tree):
     """Head 1's verdict on a block, ranked as fairseq's greedy ranks: log-prob + running score.
 
     lprobs: b x n x V, head 1 after each block token (fairseq's constraints applied);
-    block: b x n, the last committed token then n-1 proposals; score: b, the float32
-    running score of the committed prefix.
+    block: b x n, the last committed token then the candidates laid out as `tree`
+    (a chain: each after the one before); score: b, the float32 running score of the
+    committed prefix.
     Returns candidates b x n x max(2, topk) (token ids, best first), their ranked
     values b x n x max(2, topk), the running score before each output b x n, and
-    each proposal's log-prob b x n-1.
+    each candidate's log-prob after its parent b x n-1.
     """
-    proposal_lprobs = lprobs[:, :-1].gather(2, block[:, 1:, None]).squeeze(2)  # b x n-1
-    running = [score]
-    for j in range(block.size(1) - 1):  # sequential float32 sums, as fairseq's loop adds
-        running.append(running[-1] + proposal_lprobs[:, j])
-    running = torch.stack(running, dim=1)  # b x n
+    b, n, V = lprobs.shape
+    flat = tree.parents[1:] * V + block[:, 1:]  # b x n-1: a candidate in its parent's row
+    proposal_lprobs = lprobs.reshape(b, n * V).gather(1, flat)  # b x n-1
+    running = lprobs.new_empty(b, n, dtype=torch.promote_types(score.dtype, lprobs.dtype))
+    running[:, 0] = score
+    for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
+        running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
     values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=max(2, topk), dim=2)
     return candidates, values, running, proposal_lprobs
 
 
-def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block):
-    """How many block tokens each sentence keeps: b, in [1, limit].
+def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, tree):
+    """The deepest candidate each sentence accepts: its node b (0: none) and the outputs kept b.
 
-    Proposal j passes when it is among head 1's top `topk` after the tokens before
-    it (topk 1: exactly greedy) with a finite score; the first min_block - 1 proposals
-    pass unverified unless forbidden (log-prob -inf). The block keeps its first token
-    and the longest run of passing proposals.
+    A candidate passes when it is among head 1's top `topk` after its parent (topk 1:
+    exactly greedy) with a finite score; the chain's first min_block - 1 candidates
+    pass unverified unless forbidden (log-prob -inf). A node is accepted when it and
+    all its ancestors pass and its outputs (depth + 1, head 1's choice after it
+    included) fit in `limit` (b); the deepest wins, the first in node order on a tie
+    (possible only under topk > 1 or min_block > 1).
     """
-    proposals = block[:, 1:, None]  # b x n-1 x 1
-    ranked = (candidates[:, :-1, :topk] == proposals) & (values[:, :-1, :topk] > -math.inf)
+    parents = tree.parents[1:]
+    ranked = (candidates[:, parents, :topk] == block[:, 1:, None]) & (values[:, parents, :topk] > -math.inf)
     passes = ranked.any(dim=2)  # b x n-1
-    forced = torch.arange(passes.size(1), device=block.device) < min_block - 1
+    forced = tree.chain[1:] & (tree.depth[1:] < min_block)
     passes = passes | (forced & (proposal_lprobs > -math.inf))
-    run = passes.long().cumprod(dim=1).sum(dim=1)
-    return torch.minimum(1 + run, limit)
+    reached = torch.ones_like(block, dtype=torch.bool)  # b x n: the path to the node passes
+    for nodes, parents in tree.levels:
+        reached[:, nodes] = reached[:, parents] & passes[:, nodes - 1]
+    reached &= tree.depth < limit[:, None]
+    n = block.size(1)
+    order = tree.depth * n - torch.arange(n, device=block.device)  # deeper first, then earlier
+    node = torch.where(reached, order, -n).argmax(dim=1)
+    return node, tree.depth[node] + 1
+
+
+def along(path, *tensors):
+    """Each sentence's rows of b x n (x ...) tensors at its path's nodes path: b x m -> b x m (x ...)."""
+    return [t.gather(1, path.view(*path.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
+            for t in tensors]
 
 
 def confident_width(best, log_confidence):
@@ -68,37 +88,26 @@ def confident_width(best, log_confidence):
     return int(confident.sum(dim=1).max())
 
 
-def roll_back(decoder, incremental_state, cached, kept, block_width):
-    """Drop the rejected suffix of the block just fed.
+def commit(block, candidates, values, running, kept, eos):
+    """What a verified block adds to each sentence (pure: reads its inputs only).
 
-    cached, kept: b. Before the call each layer's self-attention cache holds, per
-    sentence, `cached` valid entries left-aligned in a common width W, then the
-    block's `block_width` entries. Afterwards it holds the cached prefix and the first
-    `kept` block entries, left-aligned in a width of max(cached + kept), the rest
-    hidden by the key padding mask. Returns cached + kept.
+    block: b x n, the last committed token then the proposals along the accepted
+    path; candidates, values: b x n x K and running: b x n from verify; kept: b, the
+    accepted count from accept. The block's outputs are its kept proposals followed
+    by head 1's choice after the last of them. Returns the output tokens b x n (after
+    the kept ones: anything), their running scores b x n, how many of them the
+    sentence keeps b (up to and with the first EOS) and whether it ended b.
     """
-    lengths = cached + kept
-    width = int(lengths.max())
-    total = decoder.layers[0].self_attn._get_input_buffer(incremental_state)["prev_key"].size(2)
-    old_width = total - block_width
-    uniform = bool((cached == old_width).all() and (lengths == width).all())
-    if not uniform:
-        columns = torch.arange(width, device=cached.device).unsqueeze(0)  # 1 x W'
-        index = torch.where(columns < cached[:, None], columns, old_width + columns - cached[:, None])
-        index = index.clamp(max=total - 1)  # b x W'; clamped columns are masked
-        padding = columns >= lengths[:, None]  # b x W'
-    for layer in decoder.layers:
-        buffer = layer.self_attn._get_input_buffer(incremental_state)
-        for key in ("prev_key", "prev_value"):
-            cache = buffer[key]  # b x heads x W+n x d
-            if uniform:
-                buffer[key] = cache[:, :, :width]
-            else:
-                expanded = index[:, None, :, None].expand(-1, cache.size(1), -1, cache.size(3))
-                buffer[key] = cache.gather(2, expanded)
-        buffer["prev_key_padding_mask"] = None if uniform else padding
-        layer.self_attn._set_input_buffer(incremental_state, buffer)
-    return lengths
+    offsets = torch.arange(block.size(1), device=block.device)
+    last = (kept - 1)[:, None]  # b x 1
+    outputs = torch.cat([block[:, 1:], block[:, :1]], dim=1)  # proposal j+1 at j
+    outputs.scatter_(1, last, candidates[:, :, 0].gather(1, last))
+    output_scores = torch.cat([running[:, 1:], running[:, :1]], dim=1)
+    output_scores.scatter_(1, last, values[:, :, 0].gather(1, last))
+    is_eos = outputs.eq(eos) & (offsets < kept[:, None])
+    finished = is_eos.any(dim=1)
+    added = torch.where(finished, is_eos.long().argmax(dim=1) + 1, kept)
+    return outputs, output_scores, added, finished
 
 
 class BlockwiseStats:
@@ -112,6 +121,11 @@ class BlockwiseStats:
         iterations = sum(self.accepted.values())
         return sum(size * count for size, count in self.accepted.items()) / max(iterations, 1)
 
+    def log(self):
+        """Log the summary, if anything was decoded."""
+        if self.sentences:
+            logger.info(self.summary())
+
     def summary(self):
         histogram = " ".join(f"{size}:{self.accepted[size]}" for size in sorted(self.accepted))
         return (
@@ -121,9 +135,35 @@ class BlockwiseStats:
         )
 
 
-def _log_summary(stats):
-    if stats.sentences:
-        logger.info(stats.summary())
+class Batch:
+    """The sentences still decoding and what each has so far; finished ones leave.
+
+    sentence: b, ids in the input batch; tokens: b x L, BOS then the output; scores:
+    b x L, the running score after each output; attn: b x S x L or None; length: b,
+    outputs so far; cached: b, decoder inputs in the cache; invocations: b.
+    """
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def select(self, rows):
+        """Keep the sentences at `rows` (b')."""
+        for name, value in vars(self).items():
+            if value is not None:
+                setattr(self, name, value[rows])
+
+    def store(self, outputs, output_scores, added, block_attn, pad):
+        """Write a block's outputs b x n after each sentence's; outputs past `added` read pad."""
+        columns = self.length[:, None] + 1 + torch.arange(outputs.size(1), device=outputs.device)
+        is_added = columns <= self.length[:, None] + added[:, None]
+        self.tokens.scatter_(1, columns, torch.where(is_added, outputs, pad))
+        self.scores.scatter_(1, columns - 1, output_scores.to(self.scores))
+        if block_attn is not None:
+            if self.attn is None:
+                self.attn = self.scores.new_zeros(*block_attn.shape[::2], self.scores.size(1))
+            index = columns[:, None, :].expand(-1, block_attn.size(2), -1)
+            self.attn.scatter_(2, index, block_attn.transpose(1, 2).to(self.attn))
+        self.length = self.length + added
 
 
 class BlockwiseGenerator(nn.Module):
@@ -148,6 +188,9 @@ class BlockwiseGenerator(nn.Module):
         temperature=1.0,
         match_source_len=False,
         no_repeat_ngram_size=0,
+        tree=0,
+        tree_rates=None,
+        stats=None,
     ):
         super().__init__()
         self.model = model
@@ -156,6 +199,11 @@ class BlockwiseGenerator(nn.Module):
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
+        # The candidates of a block: the chain of top choices, or the best tree of `tree`
+        # nodes, ranked among the tokens the heads may propose (padding never).
+        heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
+        rates = [row[:ranks] for row in tree_rates or default_rates(heads)]
+        self.layout = Tree.best(rates, tree, heads) if tree else Tree.chain_of(heads)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
@@ -169,9 +217,8 @@ class BlockwiseGenerator(nn.Module):
         )
         if temperature <= 0:
             raise BlockwiseRequestError("--temperature must be greater than 0")
-        self.stats = BlockwiseStats()
-        # fairseq-generate has no end-of-run hook: report when the generator goes.
-        self.report_at_exit = weakref.finalize(self, _log_summary, self.stats)
+        # The task passes one for a whole run, and logs it (task.py).
+        self.stats = BlockwiseStats() if stats is None else stats
 
     def cuda(self):
         self.model.cuda()
@@ -187,103 +234,106 @@ class BlockwiseGenerator(nn.Module):
         model, decoder = self.model, self.model.decoder
         net_input = sample["net_input"]
         src_tokens, src_lengths = net_input["src_tokens"], net_input["src_lengths"]
-        bsz, src_len = src_tokens.size()[:2]
-        if self.match_source_len:
-            max_len = int(src_lengths.max())
-        else:
-            max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
-        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        max_len = self.max_length(src_tokens, src_lengths)
         encoder_out = model.encoder.forward_torchscript(net_input)
-        device = src_tokens.device
-
-        # Per active sentence. The k extra columns absorb writes past a sentence's end.
-        width = max_len + 2 + self.block_size
-        sentence = torch.arange(bsz, device=device)
-        tokens = src_tokens.new_full((bsz, width), self.pad)
-        tokens[:, 0] = self.eos if bos_token is None else bos_token
-        scores = torch.zeros(bsz, width, device=device)  # running score after token i+1
-        attn = None
-        length = torch.zeros(bsz, dtype=torch.long, device=device)  # committed tokens
-        cached = torch.zeros_like(length)  # decoder inputs in the cache
-        invocations = torch.zeros_like(length)
-        proposals = tokens.new_empty(bsz, 0)
+        batch = self.start(src_tokens, max_len, bos_token)
+        layout = self.layout.to(src_tokens.device)
+        proposals = src_tokens.new_empty(batch.length.size(0), 0, layout.topn)  # b x heads x ranks
         incremental_state = {}
-        finalized = [[] for _ in range(bsz)]
+        finalized = [[] for _ in range(src_tokens.size(0))]
 
         first_pass = True  # on BOS alone: it verifies nothing, so it is no accepted block
-        while sentence.numel() > 0:
-            # 1. One decoder pass over the block: the last committed token, then the proposals.
-            block = torch.cat([tokens.gather(1, length[:, None]), proposals], dim=1)  # b x n
+        while True:
+            # 1. One decoder pass over the block: the last committed token, then the candidates.
+            tree = layout.upto(proposals.size(1))
+            nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]  # b x n-1: head depth+1, its rank
+            block = torch.cat([batch.tokens.gather(1, batch.length[:, None]), nodes], dim=1)  # b x n
             n = block.size(1)
-            offsets = torch.arange(n, device=device)
-            steps = length[:, None] + offsets  # b x n: the step each output predicts
+            steps = batch.length[:, None] + tree.depth  # b x n: the step each output predicts
             features, block_attn = decoder.forward_block(
-                block, steps.clamp(max=max_len), encoder_out, incremental_state
+                block, steps.clamp(max=max_len), encoder_out, incremental_state, tree.mask
             )
-            invocations += 1
-            lprobs = self.head1_lprobs(features, steps, tokens, block, max_len, src_lengths[sentence])
+            batch.invocations += 1
+            lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree, src_lengths[batch.sentence])
 
-            # 2. Verify the proposals with head 1 and accept the longest agreeing prefix.
-            score = torch.where(length > 0, scores.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-            candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk)
-            limit = (max_len + 1 - length).clamp(max=n)  # no output past step max_len
-            kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
+            # 2. Verify the candidates with head 1, 3. accept the deepest agreeing path.
+            candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk, tree)
+            limit = max_len + 1 - batch.length  # no output past step max_len
+            node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
+            path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
 
-            # 3. Commit the kept proposals and head 1's choice after them.
-            last = (kept - 1)[:, None]  # b x 1
-            committed = torch.cat([block[:, 1:], block[:, :1]], dim=1)  # proposal j+1 at j
-            committed.scatter_(1, last, candidates[:, :, 0].gather(1, last))
-            committed_scores = torch.cat([running[:, 1:], running[:, :1]], dim=1)
-            committed_scores.scatter_(1, last, values[:, :, 0].gather(1, last))
-            is_committed = offsets < kept[:, None]  # b x n
-            columns = length[:, None] + 1 + offsets
-            tokens.scatter_(1, columns, torch.where(is_committed, committed, self.pad))
-            scores.scatter_(1, columns - 1, committed_scores)
-            if block_attn is not None:
-                if attn is None:
-                    attn = scores.new_zeros(bsz, block_attn.size(2), width)
-                attn.scatter_(2, columns[:, None, :].expand(-1, block_attn.size(2), -1), block_attn.transpose(1, 2).float())
-            is_eos = committed.eq(self.eos) & is_committed
-            finished = is_eos.any(dim=1)
-            new_tokens = torch.where(finished, is_eos.long().argmax(dim=1) + 1, kept)
+            # 4. Commit the path and head 1's choice after it.
+            outputs, output_scores, added, finished = commit(
+                *along(path, block, candidates, values, running), kept, self.eos
+            )
             if not first_pass or self.block_size == 1:
-                self.stats.accepted.update(new_tokens.tolist())
+                self.stats.accepted.update(added.tolist())
             first_pass = False
-            length = length + new_tokens
+            batch.store(outputs, output_scores, added, None if block_attn is None else along(path, block_attn)[0],
+                        self.pad)
 
-            # 4. Roll the rejected suffix out of the cache.
-            cached = roll_back(decoder, incremental_state, cached, kept, n)
+            # 5. Crop all but the accepted path out of the cache.
+            batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
+            last = along(node[:, None], features)[0][:, 0]  # b x C
 
-            # 5. Finished sentences leave the batch.
+            # 6. Finished sentences leave the batch.
             if finished.any():
-                for row in finished.nonzero()[:, 0].tolist():
-                    finalized[sentence[row]] = [
-                        self.hypothesis(tokens[row], scores[row], attn, row, int(length[row]),
-                                        int(invocations[row]), src_lengths[sentence[row]])
-                    ]
+                self.retire(batch, finished, finalized, src_lengths)
                 active = (~finished).nonzero()[:, 0]
                 if active.numel() == 0:
-                    break
-                sentence, tokens, scores, length, cached, invocations = (
-                    t[active] for t in (sentence, tokens, scores, length, cached, invocations)
-                )
-                attn = attn[active] if attn is not None else None
-                features, last = features[active], last[active]
+                    return finalized
+                batch.select(active)
+                last = last[active]
                 decoder.reorder_incremental_state_scripting(incremental_state, active)
                 encoder_out = model.encoder.reorder_encoder_out(encoder_out, active)
 
-            # 6. The heads at the last accepted position propose the next block.
-            at_last = features.gather(1, last[:, :, None].expand(-1, -1, features.size(2)))[:, 0]
-            proposals = self.propose(at_last, sentence, tokens, length)
-        return finalized
+            # 7. The heads at the last accepted position propose the next block.
+            proposals = self.propose(last, batch.sentence, batch.tokens, batch.length)
 
-    def head1_lprobs(self, features, steps, tokens, block, max_len, src_lengths):
+    def max_length(self, src_tokens, src_lengths):
+        """The longest output allowed, EOS excluded: an int (fairseq's rule)."""
+        if self.match_source_len:
+            max_len = int(src_lengths.max())
+        else:
+            max_len = min(int(self.max_len_a * src_tokens.size(1) + self.max_len_b), self.max_len - 1)
+        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        return max_len
+
+    def start(self, src_tokens, max_len, bos_token):
+        """A Batch of BOS alone. The k extra columns absorb writes past a sentence's end."""
+        bsz, device = src_tokens.size(0), src_tokens.device
+        width = max_len + 2 + self.block_size
+        tokens = src_tokens.new_full((bsz, width), self.pad)
+        tokens[:, 0] = self.eos if bos_token is None else bos_token
+        length = torch.zeros(bsz, dtype=torch.long, device=device)
+        return Batch(
+            sentence=torch.arange(bsz, device=device), tokens=tokens,
+            scores=torch.zeros(bsz, width, device=device), attn=None, length=length,
+            cached=torch.zeros_like(length), invocations=torch.zeros_like(length),
+        )
+
+    @staticmethod
+    def score(batch):
+        """The float32 running score of each committed prefix: b."""
+        previous = batch.scores.gather(1, (batch.length - 1).clamp(min=0)[:, None])[:, 0]
+        return torch.where(batch.length > 0, previous, 0.0)
+
+    def retire(self, batch, finished, finalized, src_lengths):
+        """Hypotheses of the sentences that `finished` (b) marks, into `finalized`."""
+        for row in finished.nonzero()[:, 0].tolist():
+            sentence = int(batch.sentence[row])
+            finalized[sentence] = [
+                self.hypothesis(batch.tokens[row], batch.scores[row], batch.attn, row, int(batch.length[row]),
+                                int(batch.invocations[row]), src_lengths[sentence])
+            ]
+
+    def head1_lprobs(self, features, steps, tokens, block, max_len, tree, src_lengths):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V.
 
         steps: b x n, the step each output predicts; src_lengths: b.
         """
         decoder = self.model.decoder
-        logits = decoder.project(decoder.head1_features(features))
+        logits = decoder.project(decoder.heads.head1_features(features))
         if self.temperature != 1.0:
             logits.div_(self.temperature)
         lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
@@ -298,42 +348,40 @@ class BlockwiseGenerator(nn.Module):
         if below_min_len.any():
             lprobs[..., self.eos].masked_fill_(below_min_len, -math.inf)
         if self.repeat_ngram_blocker is not None:
-            self.block_repeated_ngrams(lprobs, steps, tokens, block, max_len)
+            self.block_repeated_ngrams(lprobs, steps, tokens, block, max_len, tree)
         if self.match_source_len:  # fairseq's LengthConstrainedBeamSearch, after all the above
             at_length = steps >= src_lengths[:, None]
             lprobs[..., self.eos].masked_fill_(~at_length, -math.inf).masked_fill_(at_length, 0.0)
         return lprobs
 
-    def block_repeated_ngrams(self, lprobs, steps, tokens, block, max_len):
-        """fairseq's NGramRepeatBlock, called per sentence and position with what it sees there."""
+    def block_repeated_ngrams(self, lprobs, steps, tokens, block, max_len, tree):
+        """fairseq's NGramRepeatBlock, called per sentence and node with the path it sees there."""
         for row in range(block.size(0)):
-            prefix = tokens[row : row + 1, : max_len + 2].clone()
             start = int(steps[row, 0])
-            for j in range(min(block.size(1), max_len + 1 - start)):  # later outputs are unused
-                prefix[0, start + 1 : start + 1 + j] = block[row, 1 : 1 + j]
-                lprobs[row, j] = self.repeat_ngram_blocker(
-                    prefix, lprobs[row, j : j + 1], 1, 1, start + j
-                )[0]
+            for j in range(block.size(1)):
+                depth = int(tree.depth[j])
+                if start + depth > max_len:  # its output would be past the end: unused
+                    continue
+                prefix = tokens[row : row + 1, : max_len + 2].clone()
+                prefix[0, start + 1 : start + 1 + depth] = block[row, tree.paths[j, 1 : depth + 1]]
+                lprobs[row, j] = self.repeat_ngram_blocker(prefix, lprobs[row, j : j + 1], 1, 1, start + depth)[0]
 
     def propose(self, features, sentence, tokens, length):
-        """Heads 2..k at the last accepted position: features b x C -> b x n-1 tokens.
+        """Heads 2..k at the last accepted position: features b x C -> tokens b x w x topn.
 
-        n is k, or less under --blockwise-confidence (confident_width), since every
-        block position costs decoder and projection work whether or not it is accepted.
-        The heads need only `features`; the batch's sentence ids, tokens (b x L) and
-        lengths (b) are there for proposal models that read the prefix (the tests'
-        oracles).
+        Each head's `topn` best tokens, best first, topn being what the block's tree
+        uses (1 for the chain). w is k-1, or less under --blockwise-confidence
+        (confident_width), since every block position costs decoder and projection
+        work whether or not it is accepted. The heads need only `features`; the batch's
+        sentence ids, tokens (b x L) and lengths (b) are there for proposal models that
+        read the prefix (the tests' oracles).
         """
-        if self.block_size == 1:
-            return features.new_empty(features.size(0), 0, dtype=torch.long)
-        decoder = self.model.decoder
-        heads = decoder.block_features(features, self.block_size)[:, 1:]  # b x k-1 x C
-        logits = decoder.project(heads, self.proposal_vocab)
-        logits[..., self.pad] = -math.inf  # a pad in the block would read as padding
+        heads = self.model.decoder.heads
+        layout = self.layout
+        proposals, lprobs = heads.propose(features, layout.max_depth + 1, self.proposal_vocab, layout.topn)
         if self.log_confidence == -math.inf:
-            return logits.argmax(dim=-1)
-        best, proposals = logits.log_softmax(dim=-1).max(dim=-1)  # b x k-1
-        return proposals[:, : confident_width(best, self.log_confidence)]
+            return proposals
+        return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]
 
     def hypothesis(self, tokens, scores, attn, row, length, invocations, src_length):
         """fairseq's hypothesis dict for one finished sentence of `length` tokens (EOS last)."""

@@ -1,9 +1,9 @@
-"""A Transformer whose decoder carries k proposal heads.
+"""A Transformer whose decoder carries k proposal heads (heads.py) and owns its block step.
 
 Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
-Models", NeurIPS 2018, section 6: one feed-forward layer (hidden k*d_ffn, output
-k*d_model) after the decoder; slice i plus a residual from the decoder output is
-projected by the decoder's own output projection and predicts the token i steps ahead.
+Models", NeurIPS 2018. The decoder feeds a block of tokens after its cached prefix
+(forward_block) and keeps only the accepted entries of it (crop_cache): the only
+code that touches fairseq's self-attention cache buffers.
 """
 import logging
 from dataclasses import dataclass, field
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from fairseq import hub_utils, utils
+from fairseq import hub_utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
@@ -25,6 +25,7 @@ from fairseq.models.transformer import (
 
 from .errors import BlockwiseRequestError
 from .hub import BlockwiseHubInterface
+from .heads import ProposalHeads, shortlist_problem
 
 logger = logging.getLogger(__name__)
 
@@ -64,41 +65,6 @@ class BlockwiseHeadsConfig(FairseqDataclass):
     )
 
 
-def shortlist_problem(flag, vocab, dictionary):
-    """Why `vocab` (given as `flag`) is no shortlist of `dictionary`'s first entries; None if it is."""
-    if vocab == 0 or dictionary.nspecial < vocab <= len(dictionary):
-        return None
-    return (f"{flag} must be 0 (all) or between {dictionary.nspecial + 1} (past the special "
-            f"symbols) and the dictionary's {len(dictionary)} entries (got {vocab})")
-
-
-class ProposalHeads(nn.Module):
-    """One feed-forward layer whose output is cut into `num_heads` residual slices."""
-
-    def __init__(self, num_heads, embed_dim, ffn_dim, activation_fn, dropout):
-        super().__init__()
-        self.num_heads = num_heads
-        self.fc1 = nn.Linear(embed_dim, num_heads * ffn_dim)
-        self.fc2 = nn.Linear(num_heads * ffn_dim, num_heads * embed_dim)
-        self.activation_fn = utils.get_activation_fn(activation_fn)
-        self.dropout = nn.Dropout(dropout)
-        nn.init.xavier_uniform_(self.fc1.weight)
-        nn.init.zeros_(self.fc1.bias)
-        # Zero output: every head starts as the base model's next-token head, so a
-        # pretrained base keeps its quality on the first update.
-        nn.init.zeros_(self.fc2.weight)
-        nn.init.zeros_(self.fc2.bias)
-
-    def forward(self, x, count=None):
-        """x: B x T x C -> B x T x count x C, the first `count` heads (default all)."""
-        count = self.num_heads if count is None else count
-        hidden = self.activation_fn(self.fc1(x))
-        # fc2's rows are the heads' slices: a smaller block computes only its own.
-        rows = count * x.size(-1)
-        h = self.dropout(nn.functional.linear(hidden, self.fc2.weight[:rows], self.fc2.bias[:rows]))
-        return x.unsqueeze(-2) + h.view(*x.shape[:-1], count, x.size(-1))
-
-
 class BlockwiseDecoder(TransformerDecoderBase):
     """TransformerDecoder with k proposal heads; `extra["block_features"]` is B x T x k x C."""
 
@@ -107,34 +73,18 @@ class BlockwiseDecoder(TransformerDecoderBase):
         self.block_size = cfg.block_size
         self.head_layout = cfg.head_layout
         self.head_vocab = getattr(cfg, "head_vocab", 0) or 0
-        num_ffn_heads = self.block_size - (1 if self.head_layout == "base" else 0)
-        self.heads = None
-        if num_ffn_heads > 0:
-            self.heads = ProposalHeads(
-                num_ffn_heads,
-                self.output_embed_dim,
-                getattr(cfg, "head_ffn_dim", None) or cfg.decoder.ffn_embed_dim,
-                cfg.activation_fn,
-                cfg.dropout,
-            )
-
-    def block_features(self, x, count=None):
-        """Features of the first `count` heads (default all k): B x T x C -> B x T x count x C."""
-        count = self.block_size if count is None else count
-        if self.heads is None or count == 1 and self.head_layout == "base":
-            return x.unsqueeze(-2)
-        if self.head_layout == "paper":
-            return self.heads(x, count)
-        return torch.cat([x.unsqueeze(-2), self.heads(x, count - 1)], dim=-2)
+        self.heads = ProposalHeads(
+            self,
+            self.block_size,
+            self.head_layout,
+            getattr(cfg, "head_ffn_dim", None) or cfg.decoder.ffn_embed_dim,
+            cfg.activation_fn,
+            cfg.dropout,
+        )
 
     def proposal_logits(self, x):
-        """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab.
-
-        The shortlist is a view of the projection's first rows, no copy.
-        """
-        if not self.head_vocab:
-            return self.output_layer(x)
-        return nn.functional.linear(x, self.output_projection.weight[: self.head_vocab])
+        """Training logits of heads 2..k (the criterion's entry): ... x C -> ... x N."""
+        return self.heads.proposal_logits(x)
 
     def project(self, x, vocab=0):
         """Logits of a few positions at a time, for decoding: ... x C -> ... x N.
@@ -158,12 +108,6 @@ class BlockwiseDecoder(TransformerDecoderBase):
         rows = x.reshape(-1, x.size(-1))
         return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.size(0))
 
-    def head1_features(self, x):
-        """Features of the next-token head alone: B x T x C -> B x T x C."""
-        if self.head_layout == "base":
-            return x
-        return self.block_features(x, 1)[..., 0, :]
-
     def forward(
         self,
         prev_output_tokens,
@@ -186,23 +130,26 @@ class BlockwiseDecoder(TransformerDecoderBase):
         )
         if incremental_state is None:
             # Computed here, not in the criterion, so DDP sees every head used in forward.
-            extra["block_features"] = self.block_features(x)
+            extra["block_features"] = self.heads.block_features(x)
             x = extra["block_features"][..., 0, :]
         else:
             # fairseq's own step-by-step search only needs head 1.
-            x = self.head1_features(x)
+            x = self.heads.head1_features(x)
         if not features_only:
             x = self.output_layer(x)
         return x, extra
 
-    def forward_block(self, tokens, positions, encoder_out, incremental_state):
+    def forward_block(self, tokens, positions, encoder_out, incremental_state, self_attn_mask=None):
         """Feed a block of new tokens after the cached prefix (one decoder invocation).
 
         fairseq's incremental path feeds one token; a block needs explicit positions
-        and a causal mask inside the block. tokens, positions: B x n (position 0 is
-        BOS). Sentences whose cached prefixes differ in length are left-aligned, the
-        gaps hidden by the cache's key padding mask. Returns features B x n x C and
-        the alignment layer's attention B x n x S (mean over heads).
+        and a mask inside the block. tokens, positions: b x n (position 0 is BOS).
+        self_attn_mask: n x n, 0 where block token i may attend to block token j and
+        -inf elsewhere, the same for every sentence (default causal: a chain; a tree
+        passes its ancestor mask). Every token attends to the whole cached prefix.
+        Sentences whose cached prefixes differ in length are left-aligned, the gaps
+        hidden by the cache's key padding mask (crop_cache). Returns features b x n x C
+        and the alignment layer's attention b x n x S (mean over heads).
         """
         n = tokens.size(1)
         x = self.embed_scale * self.embed_tokens(tokens)
@@ -216,10 +163,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
             x = self.layernorm_embedding(x)
         x = self.dropout_module(x).transpose(0, 1)
 
-        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
-        cached = buffer["prev_key"].size(2) if "prev_key" in buffer else 0
-        self_attn_mask = x.new_zeros(n, cached + n)
-        self_attn_mask[:, cached:] = self.buffered_future_mask(x)
+        if self_attn_mask is None:
+            self_attn_mask = self.buffered_future_mask(x)
+        full_mask = x.new_zeros(n, self.cache_width(incremental_state) + n)
+        full_mask[:, -n:] = self_attn_mask
         enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None
         padding_mask = (
             encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
@@ -232,7 +179,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
                 enc,
                 padding_mask,
                 incremental_state,
-                self_attn_mask=self_attn_mask,
+                self_attn_mask=full_mask,
                 need_attn=alignment,
                 need_head_weights=alignment,
             )
@@ -245,6 +192,48 @@ class BlockwiseDecoder(TransformerDecoderBase):
             x = self.project_out_dim(x)
         return x, attn
 
+    def cache_width(self, incremental_state):
+        """Columns of the self-attention cache (its longest prefix plus padding): an int."""
+        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
+        return buffer["prev_key"].size(2) if "prev_key" in buffer else 0
+
+    def crop_cache(self, incremental_state, cached, block_width, keep, kept):
+        """Keep, after each sentence's cached prefix, only the chosen entries of the last block.
+
+        Before the call each layer's self-attention cache holds, per sentence, `cached`
+        (b) valid entries left-aligned in a common width W, then the `block_width`
+        entries of the block just fed. keep: b x m, block positions in the order they
+        stay (a chain's accepted prefix 0, 1, ...; a tree's accepted path); the first
+        `kept` (b) of them stay. Afterwards the cache holds the prefix and those entries, left-aligned
+        in a width of max(cached + kept), the rest hidden by the key padding mask
+        (fairseq's attention reads it with the cache). Returns cached + kept.
+        """
+        lengths = cached + kept
+        width = int(lengths.max())
+        old_width = self.cache_width(incremental_state) - block_width
+        columns = torch.arange(width, device=cached.device).unsqueeze(0)  # 1 x W'
+        # Sentences that all keep the same leading block entries after a full-width
+        # prefix (a chain, mostly) need no gather: cut the tail.
+        uniform = bool((cached == old_width).all() and (lengths == width).all()) and bool(
+            (keep[:, : width - old_width] == columns[:, : width - old_width]).all()
+        )
+        if not uniform:
+            from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
+            index = torch.where(columns < cached[:, None], columns, old_width + keep.gather(1, from_block))
+            padding = columns >= lengths[:, None]  # b x W'; hidden, whatever index holds there
+        for layer in self.layers:
+            buffer = layer.self_attn._get_input_buffer(incremental_state)
+            for key in ("prev_key", "prev_value"):
+                cache = buffer[key]  # b x heads x W+n x d
+                if uniform:
+                    buffer[key] = cache[:, :, :width]
+                else:
+                    expanded = index[:, None, :, None].expand(-1, cache.size(1), -1, cache.size(3))
+                    buffer[key] = cache.gather(2, expanded)
+            buffer["prev_key_padding_mask"] = None if uniform else padding
+            layer.self_attn._set_input_buffer(incremental_state, buffer)
+        return lengths
+
     def position_table(self, size):
         """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal)."""
         dummy = torch.full(
@@ -255,8 +244,6 @@ class BlockwiseDecoder(TransformerDecoderBase):
     def upgrade_state_dict_named(self, state_dict, name):
         """Give a plain transformer checkpoint freshly initialised heads."""
         state_dict = super().upgrade_state_dict_named(state_dict, name)
-        if self.heads is None:
-            return state_dict
         prefix = f"{name}.heads." if name else "heads."
         added = 0
         for key, value in self.heads.state_dict().items():

@@ -1,5 +1,6 @@
 """translation_blockwise: fairseq's translation task plus blockwise parallel decoding."""
 import dataclasses
+import atexit
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -10,8 +11,9 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from .errors import BlockwiseRequestError
-from .generator import BlockwiseGenerator
+from .generator import BlockwiseGenerator, BlockwiseStats
 from .model import BlockwiseDecoder, shortlist_problem
+from .tree import MAX_TREE, load_rates
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,33 @@ class TranslationBlockwiseConfig(TranslationConfig):
             "just never proposed (0: the checkpoint's --head-vocab, else the whole dictionary)"
         },
     )
+    blockwise_tree: int = field(
+        default=0,
+        metadata={
+            "help": "verify a tree of N candidate nodes per block in one decoder pass instead "
+            "of the chain of the heads' top choices: each node a path of (head, rank) "
+            "choices, the N of highest expected acceptance (fairseq_bpd/tree.py); output "
+            "stays exactly greedy (0: the chain)"
+        },
+    )
+    blockwise_tree_rates: str = field(
+        default="",
+        metadata={
+            "help": "the heads' top-r acceptance rates that shape --blockwise-tree, as "
+            "scripts/tree_rates.py writes them beside a checkpoint (default: a built-in "
+            "table, fairseq_bpd/tree.py default_rates)"
+        },
+    )
+
+
+def log_at_exit(stats):
+    """The run's blockwise summary. A host that closed its log stream first (pytest's
+    capture, around the hub) loses the line: no error for a summary."""
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        stats.log()
+    finally:
+        logging.raiseExceptions = raise_exceptions
 
 
 # translation_blockwise's default --beam: "not given". fairseq's own default, 5, cannot
@@ -126,6 +155,10 @@ class TranslationBlockwiseTask(TranslationTask):
         self.check_blockwise_request(models, args, prefix_allowed_tokens_fn, extra_gen_cls_kwargs)
         # fairseq-generate prints this beam with its BLEU score: say that greedy ran.
         args.beam = 1
+        if not hasattr(self, "blockwise_stats"):
+            # fairseq's CLIs have no end-of-run hook for a task; one summary per run, at exit.
+            self.blockwise_stats = BlockwiseStats()
+            atexit.register(log_at_exit, self.blockwise_stats)
         decoder = models[0].decoder
         return BlockwiseGenerator(
             models[0],
@@ -144,7 +177,22 @@ class TranslationBlockwiseTask(TranslationTask):
             temperature=getattr(args, "temperature", 1.0),
             match_source_len=getattr(args, "match_source_len", False),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
+            stats=self.blockwise_stats,
+            **self.tree_request(),
         )
+
+    def tree_request(self):
+        """--blockwise-tree and its rates, checked: the generator's tree arguments."""
+        size, path = self.cfg.blockwise_tree, self.cfg.blockwise_tree_rates
+        if not 0 <= size <= MAX_TREE:
+            raise BlockwiseRequestError(f"--blockwise: --blockwise-tree must be between 0 (the chain) and {MAX_TREE} "
+                             f"nodes (got {size})")
+        if path and not size:
+            raise BlockwiseRequestError("--blockwise: --blockwise-tree-rates shapes a tree; give --blockwise-tree N too")
+        try:
+            return {"tree": size, "tree_rates": load_rates(path) if path else None}
+        except ValueError as error:
+            raise BlockwiseRequestError(f"--blockwise: {error}") from None
 
     def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
         """Refuse, naming the flag, what blockwise (greedy) decoding cannot honour exactly."""

@@ -80,8 +80,6 @@ def quality(model, task, samples, references, generator):
     """BLEU and output tokens of one decoder over the test set (batch size 32)."""
     from compare import bleu, decode, detokenized
 
-    if hasattr(generator, "report_at_exit"):
-        generator.report_at_exit.detach()
     hypos, seconds = decode(generator, model, samples)
     result = {"bleu": bleu(detokenized(task, hypos, "en"), references), "seconds": seconds, "tokens": tokens_by_id(hypos)}
     stats = getattr(generator, "stats", None)
@@ -113,12 +111,10 @@ def profile(model, task, samples, block_size):
     greedy = SequenceGenerator([model], task.target_dictionary, beam_size=1)
     timed(greedy.model, "forward_decoder", "greedy decoder step")
     blockwise = bpd.BlockwiseGenerator(model, task.target_dictionary, block_size=block_size)
-    blockwise.report_at_exit.detach()
     timed(model.decoder, "forward_block", "decoder pass over the block")
     timed(blockwise, "head1_lprobs", "head-1 projection and log-softmax over the block")
     timed(blockwise, "propose", "heads 2..k: feed-forward layer and projection (proposals)")
-    roll_back = bpd.roll_back
-    timed(bpd, "roll_back", "cache roll-back")
+    timed(model.decoder, "crop_cache", "cache crop")
     greedy_hypos, greedy_seconds = decode(greedy, model, samples)
     blockwise_hypos, blockwise_seconds = decode(blockwise, model, samples)
     for label in list(timers):
@@ -126,8 +122,7 @@ def profile(model, task, samples, block_size):
             timers[label] /= blockwise.stats.invocations
     greedy_steps = sum(len(h["tokens"]) for h in greedy_hypos.values())
     timers["greedy decoder step"] /= greedy_steps
-    del model.decoder.forward_block  # the instance attribute shadowed the method
-    bpd.roll_back = roll_back
+    del model.decoder.forward_block, model.decoder.crop_cache  # instance attributes shadowed the methods
     return {
         "sentences": len(samples), "block_size": block_size,
         "greedy_ms_per_step": 1e3 * greedy_seconds / greedy_steps,

@@ -95,7 +95,6 @@ def compare(model, task, samples, references, block_size, topk=1, min_block=1, r
     greedy = SequenceGenerator([model], tgt_dict, beam_size=1)
     blockwise = BlockwiseGenerator(model, tgt_dict, block_size=block_size, topk=topk, min_block=min_block,
                                    proposal_vocab=proposal_vocab, confidence=confidence)
-    blockwise.report_at_exit.detach()
     decode(greedy, model, samples[:1])  # warm-up
     decode(blockwise, model, samples[:1])
     times = {"greedy": [], "blockwise": []}

@@ -41,7 +41,7 @@ def build(data_dir, *extra, seed=1, dtype=torch.float64, **kwargs):
     torch.manual_seed(seed)
     model = task.build_model(args)
     heads = getattr(model.decoder, "heads", None)
-    if heads is not None:
+    if getattr(heads, "fc2", None) is not None:
         torch.nn.init.normal_(heads.fc2.weight, std=0.5)
     return task, model.to(dtype).eval(), args
 

@@ -39,6 +39,10 @@ def commands(tiny, tmp_path):
         "--arch", "transformer_blockwise", "--block-size", BLOCK_SIZE, "--criterion", "blockwise_cross_entropy",
         *TRAIN, "--max-update", 2, "--finetune-from-model", tiny.checkpoint, "--no-save", "--eval-bleu",
     )
+    rates = f"{tmp_path}/tree-rates.json"
+    measure = partial(subprocess.run, [sys.executable, f"{ROOT}/scripts/tree_rates.py", "--data", tiny.data,
+                                       "--path", tiny.checkpoint, "--batch-size", "8", "--out", rates],
+                      check=True, capture_output=True, text=True, env=ENV)
     return {
         "blockwise 1": partial(ours, "--blockwise", "--print-step", "--batch-size", 1),
         "greedy 1": partial(ours, "--beam", 1, "--batch-size", 1),
@@ -55,6 +59,12 @@ def commands(tiny, tmp_path):
         "min block 2": partial(ours, "--blockwise", "--blockwise-min-block", 2, "--print-step", "--batch-size", 32),
         "proposal vocab": partial(ours, "--blockwise", "--blockwise-proposal-vocab", 8, "--batch-size", 32),
         "confidence": partial(ours, "--blockwise", "--blockwise-confidence", 0.5, "--print-step", "--batch-size", 32),
+        "tree 8": partial(ours, "--blockwise", "--blockwise-tree", 8, "--print-step", "--batch-size", 32),
+        "tree 4 batch 1": partial(ours, "--blockwise", "--blockwise-tree", 4, "--batch-size", 1),
+        "interactive tree": partial(interactive, "--blockwise", "--blockwise-tree", 8),
+        "tree rates": lambda: (measure().stdout, rates,
+                               ours("--blockwise", "--blockwise-tree", 16, "--blockwise-tree-rates", rates,
+                                    "--blockwise-topk", 1, "--batch-size", 32)),
     }
 
 
@@ -149,6 +159,9 @@ def test_hub_interface(tiny):
             hub.translate(sentences, beam=beam)
     # Without --blockwise, no beam given is fairseq's 5.
     assert load().translate(sentences) == load().translate(sentences, beam=5)
+    tree = load(task="translation_blockwise", blockwise=True, blockwise_tree=8)
+    assert tree.translate(sentences) == greedy
+    assert tree.task.blockwise_stats.sentences == len(sentences)
 
 
 def test_eval_bleu_during_training(runs):
@@ -197,3 +210,34 @@ def test_speed_script_times_every_setting_and_stays_greedy(tiny, tmp_path):
     assert [(r["block_size"], r["confidence"]) for r in results] == [(2, 0), (2, 0.5), (3, 0), (3, 0.5)]
     assert all(r["identical"] == r["sentences"] == 6 for r in results)
     assert (tmp_path / "speed.md").read_text().count("\n| ") == 1 + 4  # header and a row per setting
+
+
+@pytest.mark.parametrize("name", ["tree 8", "tree 4 batch 1"])
+def test_generate_with_a_tree_equals_greedy(runs, name):
+    tree, greedy = generated(runs, name), generated(runs, "greedy 32")
+    assert_same_hypotheses(hypotheses(greedy), hypotheses(tree))
+    assert bleu(tree) == bleu(greedy)
+    assert summary(tree).sentences == N
+
+
+def test_tree_accepts_at_least_the_chain(runs):
+    tree, chain = generated(runs, "tree 8"), generated(runs, "blockwise 32")
+    assert summary(tree).mean >= summary(chain).mean
+    assert sum(steps(tree).values()) <= sum(steps(chain).values())
+
+
+def test_interactive_with_a_tree_equals_greedy(runs):
+    tree, greedy = runs["interactive tree"], runs["interactive greedy"]
+    assert_same_hypotheses(hypotheses(greedy), hypotheses(tree))
+    assert summary(tree).sentences == INTERACTIVE_N
+
+
+def test_measured_rates_shape_a_tree_that_is_still_greedy(runs):
+    printed, path, output = runs["tree rates"]
+    with open(path) as f:
+        measured = json.load(f)
+    rates = measured["rates"]
+    assert len(rates) == BLOCK_SIZE - 1 and all(len(row) == 10 for row in rates)
+    assert all(0 <= p <= 1 for row in rates for p in row) and sum(rates[0]) > 0.5
+    assert measured["sentences"] == 20 and f"--blockwise-tree-rates {path}" in printed
+    assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(output))

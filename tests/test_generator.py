@@ -7,7 +7,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build, random_sample
 
-from fairseq_bpd.generator import BlockwiseGenerator, accept, confident_width, roll_back, verify
+from fairseq_bpd.generator import BlockwiseGenerator, accept, confident_width, verify
 
 GREEDY_OPTIONS = ("max_len_a", "max_len_b", "min_len", "normalize_scores", "len_penalty",
                   "unk_penalty", "temperature", "no_repeat_ngram_size")
@@ -34,13 +34,12 @@ class Oracle(BlockwiseGenerator):
             if not (self.agree(s) if callable(self.agree) else self.agree):
                 row = [4 + (x - 3) % 20 for x in row]  # never the reference, never a special
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long).view(len(rows), self.block_size - 1)
+        return torch.tensor(rows, dtype=torch.long).view(len(rows), self.block_size - 1, 1)
 
 
 def blockwise(model, task, sample, block_size, generator_class=BlockwiseGenerator, **options):
     options.setdefault("max_len_b", 20)
     generator = generator_class(model, task.target_dictionary, block_size=block_size, **options)
-    generator.report_at_exit.detach()
     return generator.generate([model], sample), generator
 
 
@@ -117,7 +116,7 @@ def test_blocks_cut_by_confidence_give_greedy_output(data_dir, bsz):
         def propose(self, features, *args):
             proposals = super().propose(features, *args)
             # What the cut must have kept: the longest run of joint confidence >= P.
-            heads = self.model.decoder.block_features(features, self.block_size)[:, 1:]
+            heads = self.model.decoder.heads.block_features(features, self.block_size)[:, 1:]
             logits = self.model.decoder.project(heads)
             logits[..., self.pad] = -math.inf
             joint = logits.log_softmax(dim=-1).max(dim=-1)[0].cumsum(dim=1)
@@ -190,7 +189,9 @@ def test_greedy_options_keep_their_meaning(data_dir, options):
     assert_same(expected, blockwise(model, task, sample, 4, **options)[0])
 
 
-def test_eos_inside_a_block_ends_the_sentence(data_dir):
+def eos_ending(data_dir):
+    """A k=4 model whose greedy output ends at several offsets of a block: model, task,
+    sample, greedy's hypotheses and their tokens."""
     task, model, _ = build(data_dir, "--block-size", "4", seed=5)
     eos = task.target_dictionary.eos()
     # A bias on EOS makes this tiny model end sentences after 2 to 20 tokens.
@@ -200,7 +201,11 @@ def test_eos_inside_a_block_ends_the_sentence(data_dir):
     sample = random_sample(task, bsz=8, seed=4)
     expected = greedy(model, task, sample)
     assert len({len(e["tokens"]) % 4 for e in expected}) > 2, "EOS should fall at several block offsets"
-    references = [e["tokens"] for e in expected]
+    return model, task, sample, expected, [e["tokens"] for e in expected]
+
+
+def test_eos_inside_a_block_ends_the_sentence(data_dir):
+    model, task, sample, expected, references = eos_ending(data_dir)
     for agree in (True, False, lambda s: s % 2 == 0):
         hypos, _ = blockwise(model, task, sample, 4, Oracle, references=references, agree=agree)
         assert_same(expected, hypos)
@@ -266,5 +271,5 @@ def test_cached_blocks_match_a_full_prefix_pass(data_dir):
         kept = torch.tensor(kept)
         for i in range(3):
             prefixes[i] += block[i, : kept[i]].tolist()
-        cached = roll_back(decoder, state, cached, kept, 4)
+        cached = decoder.crop_cache(state, cached, 4, torch.arange(4).expand(3, -1), kept)
         assert cached.tolist() == [len(p) for p in prefixes]

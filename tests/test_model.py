@@ -102,13 +102,13 @@ def test_the_first_heads_alone_match_all_heads(data_dir, layout):
     net_input = sample["net_input"]
     encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
     x, _ = model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
-    every = model.decoder.block_features(x)
+    every = model.decoder.heads.block_features(x)
     assert torch.equal(every, run(model, sample)[1])
     for count in (1, 2, 3):
-        first = model.decoder.block_features(x, count)
+        first = model.decoder.heads.block_features(x, count)
         assert first.shape == every[:, :, :count].shape
         assert torch.allclose(first, every[:, :, :count], rtol=0, atol=1e-12)
-    assert torch.allclose(model.decoder.head1_features(x), every[:, :, 0], rtol=0, atol=1e-12)
+    assert torch.allclose(model.decoder.heads.head1_features(x), every[:, :, 0], rtol=0, atol=1e-12)
 
 
 def test_base_layout_head1_is_the_decoder_output(data_dir):

@@ -1,0 +1,144 @@
+"""The candidate tree of --blockwise-tree: which (head, rank) paths one block verifies.
+
+Medusa (Cai et al., 2024, section 2.1.2) verifies a static tree of candidates built
+from the heads' top choices in one decoder pass. A node is a path of choices: the
+rank-r_1 token of head 2, then the rank-r_2 token of head 3 after it, and so on; it
+is accepted when its whole path is what greedy decoding picks. If head h+1's rank-r
+token is right with probability p[h][r] (measured on held-out data, scripts/tree_rates.py),
+and heads are taken as independent, a node's chance of acceptance is the product of
+its choices' rates, each accepted node adds one token, and the expected tokens of a
+block are 1 + the sum over its nodes. The tree of N nodes with the highest sum is
+built greedily: since a path's product never exceeds its prefix's, taking the best
+node whose parent is in the tree, N times, gives the N best paths.
+"""
+import heapq
+import json
+import math
+
+import torch
+
+# Ranks per head a tree may use: beyond ten, rates are too small to be worth a node.
+MAX_RANK = 10
+# Nodes per tree: the block's n x n mask and n x V log-probs grow with it.
+MAX_TREE = 1024
+
+
+def default_rates(heads, ranks=MAX_RANK):
+    """Rates when none were measured: heads x ranks.
+
+    Fitted to the fixture k=8 model's rates on held-out Bible data (scripts/tree_rates.py;
+    docs/tree.md): head h's top token is right with probability 0.6 * 0.78^(h-2), its
+    rank-r token (r >= 1) with 0.13 * 0.65^(r-1), at most the top token's. Only the
+    tree's shape depends on them, never its output.
+    """
+    rates = []
+    for h in range(heads):
+        top = 0.6 * 0.78 ** h
+        rates.append([top] + [min(top, 0.13 * 0.65 ** (r - 1)) for r in range(1, ranks)])
+    return rates
+
+
+def load_rates(path):
+    """The rates a scripts/tree_rates.py run wrote: heads x ranks, from a JSON file."""
+    try:
+        with open(path) as f:
+            rates = json.load(f)["rates"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--blockwise-tree-rates: cannot read rates from {path} ({error})") from None
+    if not rates or not all(isinstance(row, list) and row and all(0 <= p <= 1 for p in row) for row in rates):
+        raise ValueError(f"--blockwise-tree-rates: {path} holds no heads x ranks table of rates in [0, 1]")
+    return rates
+
+
+def best_paths(rates, size):
+    """The `size` (head, rank) paths of highest expected acceptance, parents first.
+
+    rates: heads x ranks (heads 2, 3, ...). Returns a list of paths, each a tuple of
+    ranks (its length is its depth), ordered by depth and, within a depth, by
+    expected acceptance.
+    """
+    if not rates or size < 1:
+        return []
+    frontier = [(-rates[0][r], (r,)) for r in range(len(rates[0]))]
+    heapq.heapify(frontier)
+    chosen = []
+    while frontier and len(chosen) < size:
+        negative, path = heapq.heappop(frontier)
+        chosen.append((len(path), negative, path))
+        if len(path) < len(rates):
+            for r, p in enumerate(rates[len(path)]):
+                heapq.heappush(frontier, (negative * p, path + (r,)))
+    return [path for _, _, path in sorted(chosen)]
+
+
+class Tree:
+    """A block's layout: node 0 is the last committed token, nodes 1..N the candidates.
+
+    depth, rank: n (the root: 0 and 0); parents: n (the root: 0); paths: n x D+1,
+    each node's ancestors by depth, itself at its depth (padding repeats it); mask:
+    n x n, 0 where a node may attend (its ancestors and itself) and -inf elsewhere;
+    chain: n, whether every choice on the path is a top choice (the chain's nodes).
+    """
+
+    def __init__(self, paths):
+        index = {(): 0}
+        for path in paths:
+            index[path] = len(index)
+        nodes = [()] + list(paths)
+        self.size = len(nodes)
+        self.max_depth = max(map(len, nodes))
+        self.topn = 1 + max((max(path) for path in paths), default=0)
+        self.depth = torch.tensor([len(p) for p in nodes])
+        self.rank = torch.tensor([p[-1] if p else 0 for p in nodes])
+        self.parents = torch.tensor([index[p[:-1]] if p else 0 for p in nodes])
+        self.chain = torch.tensor([not any(p) for p in nodes])
+        self.paths = torch.tensor([[index[p[: min(d, len(p))]] for d in range(self.max_depth + 1)] for p in nodes])
+        ancestors = torch.zeros(self.size, self.size, dtype=torch.bool)
+        for i, p in enumerate(nodes):
+            ancestors[i, self.paths[i, : len(p) + 1]] = True
+        self.ancestors = ancestors  # n x n: j is i or an ancestor of i
+        self.mask = torch.zeros(self.size, self.size).masked_fill_(~ancestors, -math.inf)
+        # Verification adds running scores depth by depth: (nodes, their parents) per depth.
+        self.levels = [
+            ((self.depth == d).nonzero()[:, 0], self.parents[self.depth == d]) for d in range(1, self.max_depth + 1)
+        ]
+        self._prefixes = {}
+
+    @classmethod
+    def chain_of(cls, proposals):
+        """Today's block: `proposals` top choices, each after the one before."""
+        return cls([(0,) * d for d in range(1, proposals + 1)])
+
+    @classmethod
+    def best(cls, rates, size, max_depth):
+        """The `size`-node tree of highest expected acceptance over heads 2..max_depth+1."""
+        return cls(best_paths([row[:MAX_RANK] for row in rates[:max_depth]], size))
+
+    def upto(self, max_depth):
+        """The sub-tree of nodes no deeper than `max_depth` (a prefix: nodes go by depth)."""
+        if max_depth >= self.max_depth:
+            return self
+        if max_depth not in self._prefixes:
+            count = int((self.depth <= max_depth).sum())
+            self._prefixes[max_depth] = Tree(self.path_tuples()[1:count]).to(self.depth.device)
+        return self._prefixes[max_depth]
+
+    def path_tuples(self):
+        """Each node's ranks from the root: n tuples."""
+        tuples = [()]
+        for i in range(1, self.size):
+            tuples.append(tuples[int(self.parents[i])] + (int(self.rank[i]),))
+        return tuples
+
+    def to(self, device):
+        for name in ("depth", "rank", "parents", "chain", "paths", "ancestors", "mask"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.levels = [(nodes.to(device), parents.to(device)) for nodes, parents in self.levels]
+        return self
+
+    def expected_tokens(self, rates):
+        """1 + the sum of the nodes' acceptance products: expected tokens per block."""
+        total = 1.0
+        for path in self.path_tuples()[1:]:
+            total += math.prod(rates[h][r] for h, r in enumerate(path))
+        return total

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Measure the heads' top-r acceptance rates that shape --blockwise-tree's candidate tree.
+
+Decodes --subset greedily (blockwise, which is exactly greedy), then feeds each
+output back teacher-forced and counts, for head h (2..k) and rank r, how often the
+head's rank-r proposal at a position is the greedy token h-1 steps later: the path
+exact decoding must reproduce. Writes {"rates": heads x ranks, ...} as JSON beside
+the checkpoint (CKPT without .pt, plus .tree-rates.json), for --blockwise-tree-rates.
+
+  .venv/bin/python scripts/tree_rates.py --data DATA --path CKPT [--subset valid] \
+      [--max-sentences 500] [--batch-size 32] [--out FILE]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+from fairseq.data import data_utils
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from compare import batches, load  # noqa: E402
+
+from fairseq_bpd.generator import BlockwiseGenerator  # noqa: E402
+from fairseq_bpd.tree import MAX_RANK  # noqa: E402
+
+
+def beside(path):
+    """Where the rates of checkpoint `path` go by default."""
+    return os.path.splitext(path)[0] + ".tree-rates.json"
+
+
+@torch.no_grad()
+def count_hits(model, net_input, outputs, proposal_vocab=0, ranks=MAX_RANK):
+    """Hits and trials per head and rank, teacher-forced on `outputs` (token lists, EOS last)
+    as the translations of the batch `net_input`.
+
+    Returns hits: k-1 x ranks (head h+2's rank-r proposal was the token h+1 steps on) and
+    trials: k-1 (positions with a token h+1 steps on).
+    """
+    decoder = model.decoder
+    pad, eos = decoder.padding_idx, decoder.dictionary.eos()
+    target = data_utils.collate_tokens(outputs, pad, eos)  # B x T
+    previous = data_utils.collate_tokens(outputs, pad, eos, move_eos_to_beginning=True)
+    encoder_out = model.encoder.forward_torchscript(net_input)
+    features, _ = decoder.extract_features(previous, encoder_out=encoder_out)  # B x T x C
+    B, T, C = features.shape
+    tokens, _ = decoder.heads.propose(features.reshape(B * T, C), decoder.block_size, proposal_vocab, ranks)
+    tokens = tokens.view(B, T, decoder.block_size - 1, -1)  # B x T x k-1 x ranks
+    hits = torch.zeros(decoder.block_size - 1, tokens.size(-1), dtype=torch.long)
+    trials = torch.zeros(decoder.block_size - 1, dtype=torch.long)
+    for h in range(decoder.block_size - 1):
+        ahead = target[:, h + 1 :]  # B x T-h-1: the token h+1 steps on
+        valid = ahead.ne(pad)
+        hits[h] = (tokens[:, : T - h - 1, h] == ahead[..., None])[valid].sum(dim=0)
+        trials[h] = valid.sum()
+    return hits, trials
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--subset", default="valid")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--max-sentences", type=int, default=500)
+    ap.add_argument("--proposal-vocab", type=int, default=0, help="as --blockwise-proposal-vocab (0: the checkpoint's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", help="default: beside the checkpoint, " + beside("CKPT.pt"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not os.path.exists(args.path):
+        raise SystemExit(f"error: checkpoint not found: {args.path}")
+    model, task, _ = load(args.path, args.data)
+    samples = batches(task, args.subset, args.batch_size, args.max_sentences)
+    k = model.decoder.block_size
+    if k < 2:
+        raise SystemExit(f"error: {args.path} has no proposal heads to measure (k={k})")
+    generator = BlockwiseGenerator(model, task.target_dictionary, block_size=k, proposal_vocab=args.proposal_vocab)
+    hits = torch.zeros(k - 1, MAX_RANK, dtype=torch.long)
+    trials = torch.zeros(k - 1, dtype=torch.long)
+    for sample in samples:
+        outputs = [h[0]["tokens"] for h in generator.generate([model], sample)]
+        h, t = count_hits(model, sample["net_input"], outputs, generator.proposal_vocab)
+        hits[:, : h.size(1)] += h
+        trials += t
+    rates = (hits.double() / trials.clamp(min=1)[:, None].double()).tolist()
+    result = {"rates": [[round(p, 5) for p in row] for row in rates], "checkpoint": args.path,
+              "subset": args.subset, "sentences": sum(len(s["id"]) for s in samples),
+              "positions": trials.tolist(), "proposal_vocab": generator.proposal_vocab}
+    out = args.out or beside(args.path)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    for h, row in enumerate(rates):
+        print(f"head {h + 2}: " + " ".join(f"{p:.3f}" for p in row[:5]) + f" (top-3 {sum(row[:3]):.3f})")
+    print(f"wrote {out}: decode with --blockwise-tree N --blockwise-tree-rates {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""--blockwise-tree: candidate trees verified in one pass give exactly fairseq's greedy output."""
+import json
+from argparse import Namespace
+import math
+
+import pytest
+import torch
+
+from conftest import build, random_sample
+from test_generator import Oracle, assert_same, blockwise, eos_ending, greedy
+
+from fairseq_bpd.tree import Tree, best_paths, default_rates, load_rates
+
+NEG = -math.inf
+
+
+def test_a_hand_built_tree_has_its_mask_positions_and_parents():
+    #        root
+    #       /    \
+    #     (0)    (1)
+    #    /   \     \
+    # (0,0) (0,1) (1,0)
+    #   |
+    # (0,0,0)
+    tree = Tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert tree.size == 7 and tree.max_depth == 3 and tree.topn == 2
+    assert tree.parents.tolist() == [0, 0, 0, 1, 1, 2, 3]
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]  # positions after the root, by depth
+    assert tree.rank.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert tree.chain.tolist() == [True, True, False, True, False, False, True]
+    assert tree.paths.tolist() == [[0, 0, 0, 0], [0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 3, 3],
+                                   [0, 1, 4, 4], [0, 2, 5, 5], [0, 1, 3, 6]]
+    visible = [[1, 0, 0, 0, 0, 0, 0],
+               [1, 1, 0, 0, 0, 0, 0],
+               [1, 0, 1, 0, 0, 0, 0],
+               [1, 1, 0, 1, 0, 0, 0],
+               [1, 1, 0, 0, 1, 0, 0],
+               [1, 0, 1, 0, 0, 1, 0],
+               [1, 1, 0, 1, 0, 0, 1]]
+    assert tree.mask.eq(0).long().tolist() == visible
+    assert tree.mask[~tree.mask.eq(0)].eq(NEG).all()
+    assert [nodes.tolist() for nodes, _ in tree.levels] == [[1, 2], [3, 4, 5], [6]]
+    assert tree.upto(1).path_tuples() == [(), (0,), (1,)]
+    assert tree.upto(5) is tree
+
+
+def test_a_chain_is_the_causal_block():
+    chain = Tree.chain_of(4)
+    assert chain.parents.tolist() == [0, 0, 1, 2, 3] and chain.depth.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(chain.mask, torch.triu(torch.full((5, 5), NEG), 1))
+    assert chain.chain.all() and chain.topn == 1
+
+
+def test_best_paths_take_the_highest_expected_acceptance():
+    rates = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.05], [0.4, 0.1, 0.0]]
+    paths = best_paths(rates, 5)
+    # products: (0,) .6, (1,) .2, (0,0) .3, (0,1) .18, (0,0,0) .12, (2,) .1, (1,0) .1
+    assert paths == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    tree = Tree(paths)
+    assert math.isclose(tree.expected_tokens(rates), 1 + 0.6 + 0.2 + 0.3 + 0.18 + 0.12)
+    # Every node's parent is in the tree, and more nodes never lose expected tokens.
+    for size in range(1, 40):
+        paths = best_paths(default_rates(7), size)
+        assert len(paths) == size and all(p[:-1] in paths or len(p) == 1 for p in paths)
+    sizes = [Tree(best_paths(default_rates(7), n)).expected_tokens(default_rates(7)) for n in (1, 4, 16, 64)]
+    assert sizes == sorted(sizes)
+    # Only top choices: the tree is the chain.
+    assert best_paths([[0.9]] * 3, 8) == [(0,), (0, 0), (0, 0, 0)]
+
+
+def test_rates_files_are_read_or_refused_by_name(tmp_path):
+    good = tmp_path / "rates.json"
+    good.write_text(json.dumps({"rates": [[0.5, 0.2], [0.3, 0.1]]}))
+    assert load_rates(str(good)) == [[0.5, 0.2], [0.3, 0.1]]
+    for name, text in (("missing.json", None), ("bad.json", "{"), ("empty.json", '{"rates": []}'),
+                       ("range.json", '{"rates": [[1.5]]}')):
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"^--blockwise-tree-rates: .*{name}"):
+            load_rates(str(tmp_path / name))
+
+
+class TreeOracle(Oracle):
+    """Proposes, at each head, the true token at rank `place(sentence)` among wrong ones
+    (None: nowhere), so the accepted path runs through chosen branches of the tree."""
+
+    def __init__(self, *args, place, **kwargs):
+        super().__init__(*args, agree=True, **kwargs)
+        self.place = place
+
+    def propose(self, features, sentence, tokens, length):
+        true = super().propose(features, sentence, tokens, length)[..., 0]  # b x k-1
+        topn = self.layout.topn
+        rows = []
+        for row, s in enumerate(sentence.tolist()):
+            wrong = [[4 + (int(x) - 3 + r) % 20 for r in range(1, topn + 1)] for x in true[row]]
+            rank = self.place(s)
+            if rank is not None and rank < topn:
+                for h in range(true.size(1)):
+                    wrong[h][rank] = int(true[row, h])
+            rows.append(wrong)
+        return torch.tensor(rows, dtype=torch.long).view(len(rows), true.size(1), topn)
+
+
+@pytest.mark.parametrize("size", [1, 4, 16, 64])
+@pytest.mark.parametrize("bsz,seed", [(1, 0), (1, 1), (64, 2)])
+def test_random_heads_with_trees_give_greedy_output(data_dir, size, bsz, seed):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=seed)
+    sample = random_sample(task, bsz=bsz, seed=seed)
+    expected = greedy(model, task, sample, max_len_b=12)
+    hypos, generator = blockwise(model, task, sample, 5, tree=size, max_len_b=12)
+    assert_same(expected, hypos)
+    assert generator.layout.size == size + 1
+
+
+@pytest.mark.parametrize("size", [4, 16, 64])
+def test_oracle_and_adversarial_trees_give_greedy_output(data_dir, size):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=3)
+    sample = random_sample(task, bsz=9, seed=3)
+    expected = greedy(model, task, sample, max_len_b=12)
+    references = [e["tokens"] for e in expected]
+    tokens = sum(len(r) for r in references)
+    invocations = {}
+    # rank 0 for some sentences, rank 1 or 2 for others (a branch off the chain), or nowhere.
+    for name, place in (("top", lambda s: 0), ("mixed", lambda s: (None, 0, 1, 2)[s % 4]),
+                        ("never", lambda s: None)):
+        hypos, generator = blockwise(model, task, sample, 4, TreeOracle, tree=size, max_len_b=12,
+                                     references=references, place=place)
+        assert_same(expected, hypos)
+        invocations[name] = generator.stats.invocations
+    assert invocations["never"] == tokens  # one token per invocation, as greedy
+    assert invocations["top"] < invocations["mixed"] < invocations["never"]
+    # Where the tree holds the true token at every depth, whole blocks are accepted.
+    assert invocations["top"] <= sum(math.ceil((len(r) - 1) / 4) + 1 for r in references)
+
+
+@pytest.mark.parametrize("options", [{"max_len_b": 3}, {"max_len_a": 0.5, "max_len_b": 2},
+                                     {"min_len": 6, "max_len_b": 9}, {"unk_penalty": -3.0},
+                                     {"temperature": 0.7}, {"no_repeat_ngram_size": 2},
+                                     {"normalize_scores": False}])
+def test_greedy_options_keep_their_meaning_in_a_tree(data_dir, options):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=2)
+    sample = random_sample(task, bsz=5, seed=11)
+    expected = greedy(model, task, sample, **options)
+    references = [e["tokens"] for e in expected]
+    for place in (lambda s: s % 3, lambda s: None):
+        hypos, _ = blockwise(model, task, sample, 4, TreeOracle, tree=16, references=references,
+                             place=place, **options)
+        assert_same(expected, hypos)
+    assert_same(expected, blockwise(model, task, sample, 4, tree=16, **options)[0])
+
+
+def test_eos_inside_a_tree_path_ends_the_sentence(data_dir):
+    model, task, sample, expected, references = eos_ending(data_dir)
+    for place in (lambda s: 0, lambda s: s % 3, lambda s: (None, 1)[s % 2]):
+        hypos, _ = blockwise(model, task, sample, 4, TreeOracle, tree=16, references=references, place=place)
+        assert_same(expected, hypos)
+    assert_same(expected, blockwise(model, task, sample, 4, tree=16)[0])
+
+
+@pytest.mark.parametrize("options", [{"proposal_vocab": 9}, {"confidence": 0.3}, {"topk": 2},
+                                     {"min_block": 2}])
+def test_decoding_flags_work_with_a_tree(data_dir, options):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=4)
+    sample = random_sample(task, bsz=7, seed=4)
+    expected = greedy(model, task, sample)
+    hypos, tree_generator = blockwise(model, task, sample, 4, tree=16, **options)
+    chain, chain_generator = blockwise(model, task, sample, 4, **options)
+    if "topk" in options or "min_block" in options:  # relaxed: not greedy, but as long
+        assert all(len(h[0]["tokens"]) > 0 for h in hypos)
+        assert tree_generator.stats.invocations <= sum(len(e["tokens"]) for e in expected)
+    else:
+        assert_same(expected, hypos)
+        assert_same(expected, chain)
+
+
+def test_trees_accept_more_than_the_chain_on_the_same_heads(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=6)
+    sample = random_sample(task, bsz=16, seed=6)
+    expected = greedy(model, task, sample)
+    stats = {}
+    for name, options in (("chain", {}), ("top choices only", {"tree": 8, "tree_rates": [[0.9]] * 3}),
+                          ("16", {"tree": 16}), ("64", {"tree": 64})):
+        hypos, generator = blockwise(model, task, sample, 4, **options)
+        assert_same(expected, hypos)
+        stats[name] = generator.stats
+    # A tree of top choices only is the chain: the same blocks, the same counts.
+    assert stats["top choices only"].accepted == stats["chain"].accepted
+    assert stats["chain"].mean_accepted_block() < stats["16"].mean_accepted_block()
+    assert stats["16"].mean_accepted_block() <= stats["64"].mean_accepted_block()
+
+
+def test_cache_compaction_of_tree_paths_matches_a_full_prefix_pass(data_dir):
+    """Feeding trees and keeping a different path per sentence equals recomputing the prefix."""
+    task, model, _ = build(data_dir, "--block-size", "4", seed=9)
+    decoder, eos = model.decoder, task.target_dictionary.eos()
+    sample = random_sample(task, bsz=3, seed=9)
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    tree = Tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    n = tree.size
+    torch.manual_seed(0)
+    prefixes = [[] for _ in range(3)]
+    cached = torch.zeros(3, dtype=torch.long)
+    state = {}
+    for round_, nodes in enumerate(([0, 0, 0], [6, 2, 4], [1, 0, 5], [3, 6, 6], [0, 4, 2])):
+        block = torch.randint(4, 28, (3, n))
+        block[:, 0] = eos if round_ == 0 else block[:, 0]
+        positions = cached[:, None] + tree.depth
+        features, _ = decoder.forward_block(block, positions, encoder_out, state, tree.mask)
+        for i in range(3):
+            one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
+            for node in range(n):
+                path = tree.paths[node, : int(tree.depth[node]) + 1]
+                full_input = torch.tensor(prefixes[i] + block[i, path].tolist())[None]
+                full, _ = decoder.extract_features(full_input, one)
+                assert torch.allclose(features[i, node], full[0, -1], atol=1e-6, rtol=0)
+        nodes = torch.tensor(nodes)
+        keep, kept = tree.paths[nodes], tree.depth[nodes] + 1
+        for i in range(3):
+            prefixes[i] += block[i, keep[i, : kept[i]]].tolist()
+        cached = decoder.crop_cache(state, cached, n, keep, kept)
+        assert cached.tolist() == [len(p) for p in prefixes]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--blockwise-tree", "-1"], "--blockwise-tree must be between 0 \\(the chain\\) and 1024 nodes \\(got -1\\)"),
+    (["--blockwise-tree", "5000"], "--blockwise-tree must be between 0 .* \\(got 5000\\)"),
+    (["--blockwise-tree-rates", "rates.json"], "--blockwise-tree-rates shapes a tree; give --blockwise-tree N"),
+    (["--blockwise-tree", "8", "--blockwise-tree-rates", "/nonexistent/rates.json"],
+     "--blockwise-tree-rates: cannot read rates from /nonexistent/rates.json"),
+])
+def test_bad_tree_requests_are_refused_by_name(data_dir, flags, message):
+    task, model, _ = build(data_dir, "--block-size", "3", "--blockwise", *flags)
+    with pytest.raises(ValueError, match=f"^--blockwise: {message}"):
+        task.build_generator([model], Namespace(beam=1))
+
+
+def test_the_task_builds_the_tree_it_was_asked_for(data_dir, tmp_path):
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"rates": [[0.9, 0.5], [0.1, 0.0]]}))
+    task, model, _ = build(data_dir, "--block-size", "3", "--blockwise", "--blockwise-tree", "3",
+                           "--blockwise-tree-rates", str(rates))
+    generator = task.build_generator([model], Namespace(beam=1))
+    # .9 (0,), .5 (1,), .09 (0,0): the second choice of head 2 beats head 3's first.
+    assert generator.layout.path_tuples() == [(), (0,), (1,), (0, 0)]
+
+
+def test_a_tree_ranks_no_deeper_than_the_proposal_vocabulary(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "3", seed=1)
+    sample = random_sample(task, bsz=4, seed=1)
+    flat = [[0.5] * 10, [0.5] * 10]  # every rank as good: the tree wants ranks 0..9
+    hypos, generator = blockwise(model, task, sample, 3, tree=64, tree_rates=flat, proposal_vocab=5)
+    assert generator.layout.topn == 4  # 5 types, padding excluded
+    assert_same(greedy(model, task, sample), hypos)
