@@ -54,6 +54,43 @@ def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block):
     return torch.minimum(1 + run, limit)
 
 
+def symbol_values(dictionary):
+    """Each symbol's number, for --blockwise-distance: V float64s.
+
+    NaN for the special symbols and fairseq-preprocess's madeupword fillers (never
+    within any distance: they pass only as greedy's own choice). Raises ValueError
+    naming the first other symbol that is not a finite number.
+    """
+    values = torch.full((len(dictionary),), math.nan, dtype=torch.float64)
+    for index in range(dictionary.nspecial, len(dictionary)):
+        symbol = dictionary[index]
+        if symbol.startswith("madeupword"):
+            continue
+        try:
+            value = float(symbol)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(f"symbol {symbol!r} (entry {index}) is not a number")
+        values[index] = value
+    return values
+
+
+def accept_within_distance(candidates, block, proposal_lprobs, limit, values, distance):
+    """How many block tokens each sentence keeps under --blockwise-distance E: b, in [1, limit].
+
+    The paper's approximate acceptance for ordinal outputs (section 7.2): proposal j
+    passes when its value (values: V, from symbol_values) differs from head 1's choice
+    after the tokens before it by at most E, with a finite log-prob. Shapes as accept.
+    """
+    proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
+    values = values.to(block.device)
+    near = (values[proposals] - values[choices]).abs() <= distance  # NaN (non-numbers): False
+    passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
+    run = passes.long().cumprod(dim=1).sum(dim=1)
+    return torch.minimum(1 + run, limit)
+
+
 def confident_width(best, log_confidence):
     """How many proposals the next block keeps under --blockwise-confidence: an int.
 
@@ -136,6 +173,7 @@ class BlockwiseGenerator(nn.Module):
         min_block=1,
         proposal_vocab=0,
         confidence=0.0,
+        distance=0.0,
         max_len_a=0,
         max_len_b=200,
         max_len=0,
@@ -152,6 +190,9 @@ class BlockwiseGenerator(nn.Module):
         self.block_size = block_size
         self.topk, self.min_block = topk, min_block
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
+        # --blockwise-distance: 0 is exact; otherwise proposals are judged by their values.
+        self.distance = distance
+        self.values = symbol_values(tgt_dict) if distance > 0 else None
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -225,7 +266,10 @@ class BlockwiseGenerator(nn.Module):
             score = torch.where(length > 0, scores.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0], 0.0)
             candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk)
             limit = (max_len + 1 - length).clamp(max=n)  # no output past step max_len
-            kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
+            if self.distance > 0:
+                kept = accept_within_distance(candidates, block, proposal_lprobs, limit, self.values, self.distance)
+            else:
+                kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
 
             # 3. Commit the kept proposals and head 1's choice after them.
             last = (kept - 1)[:, None]  # b x 1
