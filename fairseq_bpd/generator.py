@@ -54,14 +54,14 @@ def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block):
     return torch.minimum(1 + run, limit)
 
 
-def symbol_values(dictionary):
+def symbol_numbers(dictionary):
     """Each symbol's number, for --blockwise-distance: V float64s.
 
     NaN for the special symbols and fairseq-preprocess's madeupword fillers (never
     within any distance: they pass only as greedy's own choice). Raises ValueError
     naming the first other symbol that is not a finite number.
     """
-    values = torch.full((len(dictionary),), math.nan, dtype=torch.float64)
+    numbers = torch.full((len(dictionary),), math.nan, dtype=torch.float64)
     for index in range(dictionary.nspecial, len(dictionary)):
         symbol = dictionary[index]
         if symbol.startswith("madeupword"):
@@ -72,20 +72,20 @@ def symbol_values(dictionary):
             value = math.nan
         if not math.isfinite(value):
             raise ValueError(f"symbol {symbol!r} (entry {index}) is not a number")
-        values[index] = value
-    return values
+        numbers[index] = value
+    return numbers
 
 
-def accept_within_distance(candidates, block, proposal_lprobs, limit, values, distance):
+def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, distance):
     """How many block tokens each sentence keeps under --blockwise-distance E: b, in [1, limit].
 
     The paper's approximate acceptance for ordinal outputs (section 7.2): proposal j
-    passes when its value (values: V, from symbol_values) differs from head 1's choice
+    passes when its number (numbers: V, from symbol_numbers) differs from head 1's choice
     after the tokens before it by at most E, with a finite log-prob. Shapes as accept.
     """
     proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
-    values = values.to(block.device)
-    near = (values[proposals] - values[choices]).abs() <= distance  # NaN (non-numbers): False
+    numbers = numbers.to(block.device)
+    near = (numbers[proposals] - numbers[choices]).abs() <= distance  # NaN (non-numbers): False
     passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
     run = passes.long().cumprod(dim=1).sum(dim=1)
     return torch.minimum(1 + run, limit)
@@ -190,9 +190,11 @@ class BlockwiseGenerator(nn.Module):
         self.block_size = block_size
         self.topk, self.min_block = topk, min_block
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
-        # --blockwise-distance: 0 is exact; otherwise proposals are judged by their values.
+        # --blockwise-distance: 0 is exact; otherwise proposals are judged by their numbers.
+        if distance > 0 and (topk != 1 or min_block != 1):
+            raise ValueError("--blockwise-distance cannot be combined with --blockwise-topk or --blockwise-min-block")
         self.distance = distance
-        self.values = symbol_values(tgt_dict) if distance > 0 else None
+        self.numbers = symbol_numbers(tgt_dict) if distance > 0 else None
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -267,7 +269,7 @@ class BlockwiseGenerator(nn.Module):
             candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk)
             limit = (max_len + 1 - length).clamp(max=n)  # no output past step max_len
             if self.distance > 0:
-                kept = accept_within_distance(candidates, block, proposal_lprobs, limit, self.values, self.distance)
+                kept = accept_within_distance(candidates, block, proposal_lprobs, limit, self.numbers, self.distance)
             else:
                 kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
 

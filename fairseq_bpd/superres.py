@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fairseq import utils
 from fairseq.tasks import register_task
 
-from .generator import symbol_values
+from .generator import symbol_numbers
 from .task import TranslationBlockwiseConfig, TranslationBlockwiseTask
 
 IMAGE_INFO = "image.json"  # {"low": [h, w], "high": [H, W], "levels": L}
@@ -47,7 +47,7 @@ class SuperResolutionTask(TranslationBlockwiseTask):
         task = super().setup_task(cfg, **kwargs)
         task.image_info = read_image_info(cfg.data)
         try:
-            symbol_values(task.target_dictionary)
+            symbol_numbers(task.target_dictionary)
         except ValueError as error:
             raise ValueError(f"superres_blockwise: dict.{cfg.target_lang}.txt must list intensities, "
                              f"but its {error}") from None

@@ -8,7 +8,7 @@ from fairseq.dataclass.configs import GenerationConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from .generator import BlockwiseGenerator, symbol_values
+from .generator import BlockwiseGenerator, symbol_numbers
 from .model import BlockwiseDecoder, shortlist_problem
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse("--blockwise-distance replaces the acceptance rule; drop --blockwise-topk "
                    "and --blockwise-min-block")
         try:
-            symbol_values(self.target_dictionary)
+            symbol_numbers(self.target_dictionary)
         except ValueError as error:
             refuse(f"--blockwise-distance {distance} needs a target dictionary of numbers "
                    f"(such as pixel intensities), but its {error}")

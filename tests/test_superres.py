@@ -16,7 +16,7 @@ from cli_support import PLUGIN, TINY_ARCH, Runs, assert_same_hypotheses, hypothe
 from conftest import build, random_sample
 from test_generator import Oracle, assert_same, blockwise, greedy
 
-from fairseq_bpd.generator import BlockwiseGenerator, accept_within_distance, symbol_values
+from fairseq_bpd.generator import BlockwiseGenerator, accept_within_distance, symbol_numbers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -59,7 +59,7 @@ def hand_built(proposed, chosen, lprob=0.0):
     block = torch.tensor([[eos, *proposed]])
     candidates = torch.tensor([[[c, 0] for c in chosen]])  # 1 x 4 x 2, the choice first
     proposal_lprobs = torch.full((1, len(proposed)), lprob)
-    return block, candidates, proposal_lprobs, symbol_values(dictionary)
+    return block, candidates, proposal_lprobs, symbol_numbers(dictionary)
 
 
 def kept(distance, proposed, chosen, lprob=0.0, limit=4):
@@ -89,16 +89,16 @@ def test_non_numbers_pass_only_as_greedys_own_choice():
     assert kept(0, [t(4), eos, t(1)], [t(4), eos, t(1), t(1)]) == 4
 
 
-def test_symbol_values_read_numbers_and_skip_specials_and_fillers():
+def test_symbol_numbers_read_numbers_and_skip_specials_and_fillers():
     dictionary = Dictionary()
     for symbol in ("0", "2.5", "-3", "madeupword0000"):
         dictionary.add_symbol(symbol)
-    values = symbol_values(dictionary)
+    values = symbol_numbers(dictionary)
     assert values[4:7].tolist() == [0.0, 2.5, -3.0]
     assert values[:4].isnan().all() and values[7].isnan()
     dictionary.add_symbol("w0")
     with pytest.raises(ValueError, match="'w0' \\(entry 8\\) is not a number"):
-        symbol_values(dictionary)
+        symbol_numbers(dictionary)
 
 
 # --- exactness and the generator --------------------------------------------------------
@@ -160,6 +160,19 @@ def test_off_by_one_proposals_pass_at_distance_one_only(numeric_dir):
     assert generator.stats.mean_accepted_block() > 1
 
 
+def test_right_proposals_under_a_distance_still_give_greedy_output(numeric_dir):
+    # Proposals that are greedy's own tokens pass any rule: the distance branch commits
+    # and rolls back as the exact one does.
+    task, model, _ = build(numeric_dir, "--block-size", "4", seed=6, task="superres_blockwise")
+    sample = random_sample(task, bsz=5, seed=6)
+    expected = greedy(model, task, sample)
+    hypos, _ = blockwise(model, task, sample, 4, Oracle, references=[e["tokens"] for e in expected],
+                         agree=True, distance=2.0)
+    assert_same(expected, hypos)
+    for e, h in zip(expected, hypos):
+        assert h[0]["steps"] <= math.ceil(len(e["tokens"]) / 4) + 1
+
+
 # --- refusals ---------------------------------------------------------------------------
 
 
@@ -180,6 +193,13 @@ def test_bad_distance_requests_are_refused(numeric_dir, flags, message):
     task, model, _ = build(numeric_dir, "--block-size", "3", "--blockwise", *flags, task="superres_blockwise")
     with pytest.raises(ValueError, match=message):
         task.build_generator([model], Namespace(beam=1))
+
+
+def test_the_generator_refuses_a_distance_with_another_rule(numeric_dir):
+    task, model, _ = build(numeric_dir, "--block-size", "3", task="superres_blockwise")
+    for rule in ({"topk": 2}, {"min_block": 2}):
+        with pytest.raises(ValueError, match="--blockwise-distance cannot be combined"):
+            BlockwiseGenerator(model, task.target_dictionary, block_size=3, distance=1.0, **rule)
 
 
 def test_superres_task_refuses_words_and_a_missing_image_json(data_dir, tmp_path):
