@@ -10,8 +10,6 @@ scripts/prepare_digits.py, whose image.json gives the shapes.
 """
 import json
 import os
-from dataclasses import dataclass
-
 from fairseq import utils
 from fairseq.tasks import register_task
 
@@ -19,11 +17,6 @@ from .generator import symbol_numbers
 from .task import TranslationBlockwiseConfig, TranslationBlockwiseTask
 
 IMAGE_INFO = "image.json"  # {"low": [h, w], "high": [H, W], "levels": L}
-
-
-@dataclass
-class SuperResolutionConfig(TranslationBlockwiseConfig):
-    pass
 
 
 def read_image_info(data):
@@ -38,7 +31,7 @@ def read_image_info(data):
     return info
 
 
-@register_task("superres_blockwise", dataclass=SuperResolutionConfig)
+@register_task("superres_blockwise", dataclass=TranslationBlockwiseConfig)
 class SuperResolutionTask(TranslationBlockwiseTask):
     """TranslationBlockwiseTask over pixel intensities: fixed-size outputs, a numeric dictionary."""
 
