@@ -10,6 +10,7 @@ scripts/prepare_digits.py, whose image.json gives the shapes.
 """
 import json
 import os
+
 from fairseq import utils
 from fairseq.tasks import register_task
 

@@ -8,19 +8,15 @@ model lives in WORK (training resumes) and every generate output is kept there, 
 rerun does only what is missing; --report rewrites the page from WORK alone.
 
   .venv/bin/python scripts/superres_benchmark.py [--base-updates 875] [--head-updates 300]
-  .venv/bin/python scripts/superres_benchmark.py --speed [--speed-images 50] [--repeats 3]
 
---speed times greedy against blockwise decoding at batch size 1 in one process
-(alternating, medians) and prints a markdown table; run it on a quiet machine.
+Batch-1 timing is scripts/superres_speed.py, for a quiet machine.
 """
 import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
-from argparse import Namespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -293,7 +289,7 @@ def report(args, results, images, path="docs/superres.md"):
         "timings mean little. On a quiet machine:",
         "",
         "```",
-        "OMP_NUM_THREADS=1 .venv/bin/python scripts/superres_benchmark.py --speed --speed-images 50 --repeats 3",
+        "OMP_NUM_THREADS=1 .venv/bin/python scripts/superres_speed.py --images 50 --repeats 3",
         "```",
         "",
         "prints greedy's and blockwise decoding's median seconds over the first 50 test images and "
@@ -313,53 +309,14 @@ def report(args, results, images, path="docs/superres.md"):
     print("wrote", path)
 
 
-def speed(args):
-    """Batch-1 decoding time of greedy and blockwise (median of --repeats), one markdown row each."""
-    import torch
-    from compare import batches, decode, load
-
-    model, task, _ = load(checkpoint("finetune"), args.data)
-    samples = batches(task, "test", 1, args.speed_images)
-    print(f"torch threads {torch.get_num_threads()}, {len(samples)} images, batch size 1")
-    print("| k | E | greedy s | blockwise s | speedup | mean accepted block |")
-    print("|---|---|---|---|---|---|")
-
-    def generator(blockwise, block_size=None, distance=0.0):
-        task.cfg.blockwise, task.cfg.block_size, task.cfg.blockwise_distance = blockwise, block_size, distance
-        built = task.build_generator([model], Namespace(beam=1))
-        if hasattr(built, "report_at_exit"):
-            built.report_at_exit.detach()
-        return built
-
-    greedy = generator(False)
-    for block_size in (6, K):
-        for distance in (0.0, 2.0):
-            blockwise = generator(True, block_size, distance)
-            decode(greedy, model, samples[:2])  # warm-up
-            decode(blockwise, model, samples[:2])
-            times = {"greedy": [], "blockwise": []}
-            for _ in range(args.repeats):
-                times["greedy"].append(decode(greedy, model, samples)[1])
-                blockwise.stats.accepted.clear()
-                times["blockwise"].append(decode(blockwise, model, samples)[1])
-            g, b = statistics.median(times["greedy"]), statistics.median(times["blockwise"])
-            print(f"| {block_size} | {distance:g} | {g:.2f} | {b:.2f} | {g / b:.2f}x | "
-                  f"{blockwise.stats.mean_accepted_block():.2f} |", flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=DATA)
     parser.add_argument("--base-updates", type=int, default=875)
     parser.add_argument("--head-updates", type=int, default=300)
     parser.add_argument("--report", action="store_true", help="only rewrite the page from WORK")
-    parser.add_argument("--speed", action="store_true", help="batch-1 timing instead (see above)")
-    parser.add_argument("--speed-images", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.chdir(ROOT)
-    if args.speed:
-        return speed(args)
     if not args.report:
         train(args)
     results, images = decode_all(args)
