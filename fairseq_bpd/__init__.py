@@ -1,1 +1,1 @@
-from . import checkpoint_safety, model, criterion, task  # noqa
+from . import checkpoint_safety, model, criterion, task, superres  # noqa

@@ -76,6 +76,43 @@ def along(path, *tensors):
             for t in tensors]
 
 
+def symbol_numbers(dictionary):
+    """Each symbol's number, for --blockwise-distance: V float64s.
+
+    NaN for the special symbols and fairseq-preprocess's madeupword fillers (never
+    within any distance: they pass only as greedy's own choice). Raises ValueError
+    naming the first other symbol that is not a finite number.
+    """
+    numbers = torch.full((len(dictionary),), math.nan, dtype=torch.float64)
+    for index in range(dictionary.nspecial, len(dictionary)):
+        symbol = dictionary[index]
+        if symbol.startswith("madeupword"):
+            continue
+        try:
+            value = float(symbol)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(f"symbol {symbol!r} (entry {index}) is not a number")
+        numbers[index] = value
+    return numbers
+
+
+def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, distance):
+    """How many block tokens each sentence keeps under --blockwise-distance E: b, in [1, limit].
+
+    The paper's approximate acceptance for ordinal outputs (section 7.2): proposal j
+    passes when its number (numbers: V, from symbol_numbers) differs from head 1's choice
+    after the tokens before it by at most E, with a finite log-prob. Shapes as accept.
+    """
+    proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
+    numbers = numbers.to(block.device)
+    near = (numbers[proposals] - numbers[choices]).abs() <= distance  # NaN (non-numbers): False
+    passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
+    run = passes.long().cumprod(dim=1).sum(dim=1)
+    return torch.minimum(1 + run, limit)
+
+
 def confident_width(best, log_confidence):
     """How many proposals the next block keeps under --blockwise-confidence: an int.
 
@@ -178,6 +215,7 @@ class BlockwiseGenerator(nn.Module):
         min_block=1,
         proposal_vocab=0,
         confidence=0.0,
+        distance=0.0,
         max_len_a=0,
         max_len_b=200,
         max_len=0,
@@ -197,6 +235,12 @@ class BlockwiseGenerator(nn.Module):
         self.block_size = block_size
         self.topk, self.min_block = topk, min_block
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
+        # --blockwise-distance: 0 is exact; otherwise proposals are judged by their numbers.
+        if distance > 0 and (topk != 1 or min_block != 1 or tree):
+            raise BlockwiseRequestError("--blockwise-distance cannot be combined with --blockwise-topk, "
+                                        "--blockwise-min-block or --blockwise-tree")
+        self.distance = distance
+        self.numbers = symbol_numbers(tgt_dict) if distance > 0 else None
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
         # The candidates of a block: the chain of top choices, or the best tree of `tree`
@@ -259,7 +303,11 @@ class BlockwiseGenerator(nn.Module):
             # 2. Verify the candidates with head 1, 3. accept the deepest agreeing path.
             candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk, tree)
             limit = max_len + 1 - batch.length  # no output past step max_len
-            node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
+            if self.distance > 0:  # a chain (tree refused): node j lies at depth j
+                kept = accept_within_distance(candidates, block, proposal_lprobs, limit, self.numbers, self.distance)
+                node = kept - 1
+            else:
+                node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
             path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
 
             # 4. Commit the path and head 1's choice after it.

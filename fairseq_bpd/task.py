@@ -11,7 +11,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from .errors import BlockwiseRequestError
-from .generator import BlockwiseGenerator, BlockwiseStats
+from .generator import BlockwiseGenerator, BlockwiseStats, symbol_numbers
 from .model import BlockwiseDecoder, shortlist_problem
 from .tree import MAX_TREE, load_rates
 
@@ -58,6 +58,14 @@ class TranslationBlockwiseConfig(TranslationConfig):
             "below P; in a batch the most confident sentence sets the width. Fewer "
             "positions to verify when the heads are unsure; output stays exactly "
             "greedy (0: always k)"
+        },
+    )
+    blockwise_distance: float = field(
+        default=0.0,
+        metadata={
+            "help": "accept a proposal whose value differs from head 1's choice by at "
+            "most E, for target dictionaries of numbers such as pixel intensities "
+            "(the paper's image super-resolution used 2; 0: exactly greedy)"
         },
     )
     blockwise_proposal_vocab: int = field(
@@ -168,6 +176,7 @@ class TranslationBlockwiseTask(TranslationTask):
             min_block=self.cfg.blockwise_min_block,
             proposal_vocab=self.cfg.blockwise_proposal_vocab,
             confidence=self.cfg.blockwise_confidence,
+            distance=self.cfg.blockwise_distance,
             max_len_a=getattr(args, "max_len_a", 0),
             max_len_b=getattr(args, "max_len_b", 200),
             min_len=getattr(args, "min_len", 1),
@@ -249,10 +258,27 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse(f"--blockwise-min-block must be at least 1 (got {self.cfg.blockwise_min_block})")
         if not 0 <= self.cfg.blockwise_confidence <= 1:
             refuse(f"--blockwise-confidence must be between 0 and 1 (got {self.cfg.blockwise_confidence})")
+        self.check_distance(refuse)
         problem = shortlist_problem("--blockwise-proposal-vocab", self.cfg.blockwise_proposal_vocab,
                                     self.target_dictionary)
         if problem:
             refuse(problem)
+
+    def check_distance(self, refuse):
+        """--blockwise-distance needs numbers to measure and is a rule of its own."""
+        distance = self.cfg.blockwise_distance
+        if distance == 0:
+            return
+        if distance < 0:
+            refuse(f"--blockwise-distance must be at least 0 (got {distance})")
+        if self.cfg.blockwise_topk != 1 or self.cfg.blockwise_min_block != 1 or self.cfg.blockwise_tree:
+            refuse("--blockwise-distance replaces the acceptance rule; drop --blockwise-topk, "
+                   "--blockwise-min-block and --blockwise-tree")
+        try:
+            symbol_numbers(self.target_dictionary)
+        except ValueError as error:
+            refuse(f"--blockwise-distance {distance} needs a target dictionary of numbers "
+                   f"(such as pixel intensities), but its {error}")
 
 
 GENERATION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
