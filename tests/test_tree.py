@@ -252,3 +252,11 @@ def test_a_tree_ranks_no_deeper_than_the_proposal_vocabulary(data_dir):
     hypos, generator = blockwise(model, task, sample, 3, tree=64, tree_rates=flat, proposal_vocab=5)
     assert generator.layout.topn == 4  # 5 types, padding excluded
     assert_same(greedy(model, task, sample), hypos)
+
+
+def test_a_smaller_block_size_keeps_the_tree_within_its_heads(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=8)
+    sample = random_sample(task, bsz=6, seed=8)
+    hypos, generator = blockwise(model, task, sample, 3, tree=16)
+    assert generator.layout.max_depth == 2  # heads 2 and 3 of the checkpoint's 5
+    assert_same(greedy(model, task, sample), hypos)
