@@ -71,7 +71,7 @@ def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, t
 
 
 def along(path, *tensors):
-    """Each sentence's rows of b x n (x ...) tensors at its path's nodes path: b x m -> b x m (x ...)."""
+    """Each sentence's entries at its own nodes: path b x m, tensors b x n (x ...) -> b x m (x ...)."""
     return [t.gather(1, path.view(*path.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
             for t in tensors]
 

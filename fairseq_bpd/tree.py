@@ -131,9 +131,12 @@ class Tree:
         return tuples
 
     def to(self, device):
+        """Move the tensors (and the cached sub-trees') to `device`; returns self."""
         for name in ("depth", "rank", "parents", "chain", "paths", "ancestors", "mask"):
             setattr(self, name, getattr(self, name).to(device))
         self.levels = [(nodes.to(device), parents.to(device)) for nodes, parents in self.levels]
+        for prefix in self._prefixes.values():
+            prefix.to(device)
         return self
 
     def expected_tokens(self, rates):
