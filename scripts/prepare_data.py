@@ -42,19 +42,22 @@ def read_lines(path):
     str.splitlines() (and a text file's universal newlines) also break at \\r, \\v, \\f,
     \\x1c-\\x1e, U+0085, U+2028 and U+2029, which shifts every pair after one of them.
     Inside a line they become spaces, so no tool downstream splits it; a CR before the
-    newline (CRLF files) and a UTF-8 byte-order mark are dropped.
+    newline (CRLF files) and a UTF-8 byte-order mark are dropped, the latter anywhere
+    (files joined with cat carry one at each join). A file with CRs and no newline at
+    all (classic Mac line ends) is split at its CRs, not read as one line.
     """
     if not os.path.isfile(path):
         raise SystemExit(f"error: input file not found: {path}")
     with open(path, "rb") as f:
         data = f.read()
     try:
-        text = data.decode("utf-8-sig")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise SystemExit(f"error: {path} is not UTF-8 text: line {line}, byte {error.start}: "
                          f"{error.reason}; convert it first, e.g. iconv -f latin1 -t utf-8")
-    lines = text.split("\n")
+    text = text.replace("\ufeff", "")
+    lines = text.split("\n" if "\n" in text or "\r" not in text else "\r")
     if lines[-1] == "":
         lines.pop()  # the last line's newline
     return [LINE_BREAKS.sub(" ", line.removesuffix("\r")) for line in lines]

@@ -224,3 +224,33 @@ def test_byte_order_mark_is_dropped(corpus):
     assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
     first = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")[0]
     assert first == "Der mann sieht den Hund , sagt er ."  # no BOM token before "Der"
+
+
+def test_classic_mac_line_ends_are_line_ends(corpus):
+    """Was: files whose lines end in a bare CR (no newline at all) read as one line each,
+    so a corpus in them came out as one pair, without a word."""
+    for name in ("train.de", "train.en", "test.en"):
+        path = corpus / name
+        path.write_bytes(path.read_bytes().replace(b"\n", b"\r"))
+    prepare_data.main(cli_args(corpus))
+    out = corpus / "bin"
+    tokens = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")
+    assert len(tokens) == 60 + 1 and tokens[0] == "Der mann sieht den Hund , sagt er ."
+    references = (out / "raw" / "test.en").read_text(encoding="utf-8")
+    assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
+
+
+def test_byte_order_marks_of_joined_files_are_dropped(corpus):
+    """cat a b of two files saved with a BOM leaves one at the start of b's first line."""
+    for name, first in (("train.de", 30), ("train.en", 30), ("test.en", 2)):
+        path = corpus / name
+        lines = path.read_bytes().split(b"\n")
+        bom = b"\xef\xbb\xbf"
+        path.write_bytes(bom + b"\n".join(lines[:first]) + b"\n" + bom + b"\n".join(lines[first:]))
+    prepare_data.main(cli_args(corpus))
+    out = corpus / "bin"
+    assert "\ufeff" not in (out / "dict.en.txt").read_text(encoding="utf-8")
+    references = (out / "raw" / "test.en").read_text(encoding="utf-8")
+    assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
+    joined = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")[30]
+    assert joined == "Der mann ruft das Haus , sagt er ."  # no BOM token before "Der"
