@@ -81,8 +81,8 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.random_head = random_head
-        if head1_weight <= 0:
-            raise ValueError(f"--head1-weight must be greater than 0 (got {head1_weight})")
+        if not 0 < head1_weight < math.inf:  # nan too: it would train on a nan loss
+            raise ValueError(f"--head1-weight must be a number greater than 0 (got {head1_weight})")
         self.head1_weight = head1_weight
 
     def forward(self, model, sample, reduce=True):

@@ -217,8 +217,9 @@ def test_head1_weight_weighs_head_1_against_the_others(data_dir):
     assert torch.allclose(plain_loss, sum(heads) / 3)
     assert torch.allclose(loss, (4.0 * heads[0] + heads[1] + heads[2]) / 6)
     assert not torch.allclose(loss, plain_loss)
-    with pytest.raises(ValueError, match="--head1-weight must be greater than 0"):
-        criterion(task, head1_weight=0.0)
+    for bad in (0.0, -1.0, math.nan, math.inf):  # nan, inf: were taken, and the loss was nan
+        with pytest.raises(ValueError, match=f"--head1-weight must be a number greater than 0 .got {bad}"):
+            criterion(task, head1_weight=bad)
 
 
 def test_random_head_draws_head_1_by_its_weight(data_dir):
