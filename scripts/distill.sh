@@ -40,7 +40,8 @@ if [ -n "$SENTENCES" ]; then
     --srcdict "$DATA/dict.$SRC.txt" --tgtdict "$DATA/dict.$TGT.txt" --destdir "$SOURCE" --workers 2 > /dev/null
   mkdir -p "$SOURCE/text"; mv "$SOURCE"/train.bpe.* "$SOURCE/text/"
 fi
-if [ "$(cat "$OUT/.distilled" 2>/dev/null)" != "$stamp" ]; then
+# Translate unless OUT holds the output of a run on the same inputs (delete it to force one).
+if [ "$(cat "$OUT/.distilled" 2>/dev/null)" != "$stamp" ] || [ ! -f "$OUT/generate-train.txt" ]; then
   [ ! -e "$OUT/generate-train.txt" ] || echo "$OUT was distilled from other inputs (checkpoint, source" \
     "text, dictionaries, SRC/TGT, SENTENCES or flags): distilling again" >&2
   rm -f "$OUT/.distilled" "$OUT/generate-train.txt" "$OUT/text/train.bpe.$TGT"

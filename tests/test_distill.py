@@ -84,6 +84,10 @@ def test_rerun_distils_again_when_an_input_changed(base, tmp_path):
     assert "distilling again" not in distill(data, checkpoint, out, sentences=50)
     assert (out / "generate-train.txt").stat().st_mtime_ns == before
     assert_paired(out, source[:50])
+    # Its generate output deleted, to translate again: was a FileNotFoundError traceback.
+    (out / "generate-train.txt").unlink()
+    distill(data, checkpoint, out, sentences=50)
+    assert_paired(out, source[:50])
 
     # The same N of reshuffled data: was every pair misaligned, without a word.
     for lang in ("de", "en"):
