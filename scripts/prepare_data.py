@@ -31,7 +31,7 @@ from subword_nmt.learn_bpe import learn_bpe
 SPLITS = ("train", "valid", "test")
 # Part of the .done hash: bump it when the preprocessing itself changes, so
 # existing data-bins are rebuilt rather than silently reused.
-PIPELINE_VERSION = 2
+PIPELINE_VERSION = 3
 # Line boundaries for str.splitlines() or universal newlines, besides "\n".
 LINE_BREAKS = re.compile("[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 
