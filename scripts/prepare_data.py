@@ -201,8 +201,13 @@ def main(argv=None):
                         help=f"{split} text is PREFIX.<src> and PREFIX.<tgt>")
     ap.add_argument("--out", required=True, help="data-bin folder to write")
     ap.add_argument("--merges", type=int, default=8000, help="BPE merge operations")
-    ap.add_argument("--workers", type=int, default=2, help="tokeniser processes")
-    prepare(ap.parse_args(argv))
+    ap.add_argument("--workers", type=int, default=2, help="tokeniser processes (1 or more)")
+    args = ap.parse_args(argv)
+    if args.workers < 1:  # was a ZeroDivisionError (0) or multiprocessing's ValueError
+        ap.error(f"--workers must be 1 or more (got {args.workers})")
+    if args.src == args.tgt:  # both sides would be one file, and one dictionary's entries
+        ap.error(f"--src and --tgt must be two languages (got {args.src} for both)")
+    prepare(args)
 
 
 if __name__ == "__main__":

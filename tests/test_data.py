@@ -254,3 +254,14 @@ def test_byte_order_marks_of_joined_files_are_dropped(corpus):
     assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
     joined = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")[30]
     assert joined == "Der mann ruft das Haus , sagt er ."  # no BOM token before "Der"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "0"], "--workers must be 1 or more (got 0)"),  # was a ZeroDivisionError
+    (["--tgt", "de"], "--src and --tgt must be two languages (got de for both)"),  # was de-de "pairs"
+])
+def test_bad_flags_are_named(corpus, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        prepare_data.main(cli_args(corpus) + flags)
+    assert message in capsys.readouterr().err
+    assert not (corpus / "bin").exists()
