@@ -87,6 +87,12 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def forward(self, model, sample, reduce=True):
         net_output = model(**sample["net_input"])
+        if "block_features" not in net_output[1]:  # was a bare KeyError: 'block_features'
+            raise ValueError(
+                f"--criterion blockwise_cross_entropy trains a model with proposal heads, and "
+                f"{type(model).__name__} has none: use --arch transformer_blockwise (or "
+                "transformer_blockwise_small, ...), or --criterion label_smoothed_cross_entropy"
+            )
         block = net_output[1]["block_features"]  # B x T x k x C
         target = model.get_targets(sample, net_output)
         if self.ignore_prefix_size > 0:

@@ -276,3 +276,10 @@ def test_shortlisted_heads_count_targets_outside_it_as_misses(data_dir):
     values = aggregate.get_smoothed_values()
     assert values["acc_h2"] == pytest.approx(100 * 2 / 3, abs=1e-2)
     assert values["acc_h3"] == 100 and values["block"] == pytest.approx(7 / 4, abs=1e-3)
+
+
+def test_a_model_without_heads_is_named(data_dir):
+    """Was: KeyError 'block_features' from fairseq-train --arch transformer."""
+    task, model, _ = build(data_dir, task="translation", arch="transformer")
+    with pytest.raises(ValueError, match=r"TransformerModel has none: use --arch transformer_blockwise"):
+        criterion(task)(model, translation_batch(task, 2, seed=12))
