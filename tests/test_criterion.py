@@ -283,3 +283,28 @@ def test_a_model_without_heads_is_named(data_dir):
     task, model, _ = build(data_dir, task="translation", arch="transformer")
     with pytest.raises(ValueError, match=r"TransformerModel has none: use --arch transformer_blockwise"):
         criterion(task)(model, translation_batch(task, 2, seed=12))
+
+
+@pytest.mark.parametrize("flags, options", [
+    ((), {}),
+    (("--head-vocab", "12"), {}),
+    ((), {"ignore_prefix_size": 1}),
+    (("--head-layout", "paper"), {"sentence_avg": True}),
+])
+def test_head_1_logs_what_stock_label_smoothed_cross_entropy_does(data_dir, flags, options):
+    """k=3: head 1's summed loss, fairseq's nll_loss and accuracy are stock's on the same batch.
+    (Reduced, loss_h1 is per target token, also under --sentence-avg, where stock's loss is
+    per sentence.)"""
+    task, model, _ = build(data_dir, "--block-size", "3", *flags)
+    sentence_avg = options.pop("sentence_avg", False)
+    sample = translation_batch(task, 6, seed=13)
+    stock = LabelSmoothedCrossEntropyCriterion(task, sentence_avg, SMOOTHING, report_accuracy=True, **options)
+    ours = BlockwiseCrossEntropyCriterion(task, sentence_avg, SMOOTHING, report_accuracy=True, **options)
+    _, sample_size, log = ours(model, sample)
+    _, stock_size, stock_log = stock(model, sample)
+    assert sample_size == stock_size
+    assert torch.equal(log["loss_h1"], stock_log["loss"])
+    assert torch.equal(log["nll_loss"], stock_log["nll_loss"])
+    assert (log["n_correct_h1"], log["total_h1"]) == (stock_log["n_correct"], stock_log["total"])
+    for key in ("n_correct", "total", "ntokens", "nsentences", "sample_size"):
+        assert log[key] == stock_log[key], key
