@@ -125,21 +125,42 @@ def fairseq_preprocess(args, text_dir):
     subprocess.run(cmd, check=True)
 
 
+def written_text(args, split, lang):
+    """The text files written for one side of a split, one line a pair."""
+    paths = [os.path.join(args.out, "text", f"{split}.{kind}.{lang}") for kind in ("tok", "bpe")]
+    if split != "train":
+        paths.append(os.path.join(args.out, "raw", f"{split}.{lang}"))
+    return paths
+
+
+def binarised(args, split, lang):
+    """fairseq's stem of one side of a split (.bin and .idx)."""
+    return os.path.join(args.out, f"{split}.{args.src}-{args.tgt}.{lang}")
+
+
+def missing_outputs(args):
+    """The files a finished run wrote that are not there (deleted since)."""
+    paths = [os.path.join(args.out, name) for name in
+             ("bpe.codes", f"dict.{args.src}.txt", f"dict.{args.tgt}.txt")]
+    for split in SPLITS:
+        for lang in (args.src, args.tgt):
+            stem = binarised(args, split, lang)
+            paths += written_text(args, split, lang) + [stem + ".bin", stem + ".idx"]
+    return [path for path in paths if not os.path.exists(path)]
+
+
 def check_written(args, pairs):
     """Exit unless every file written holds one line, and fairseq one sentence, a pair."""
     from fairseq.data import data_utils  # slow to import; only needed here
 
     for split, n in pairs.items():
         for lang in (args.src, args.tgt):
-            paths = [os.path.join(args.out, "text", f"{split}.{kind}.{lang}") for kind in ("tok", "bpe")]
-            if split != "train":
-                paths.append(os.path.join(args.out, "raw", f"{split}.{lang}"))
-            for path in paths:
+            for path in written_text(args, split, lang):
                 with open(path, encoding="utf-8") as f:  # lines as fairseq-preprocess reads them
                     lines = sum(1 for _ in f)
                 if lines != n:
                     raise SystemExit(f"error: {path} has {lines} lines for {n} sentence pairs")
-            stem = os.path.join(args.out, f"{split}.{args.src}-{args.tgt}.{lang}")
+            stem = binarised(args, split, lang)
             sentences = len(data_utils.load_indexed_dataset(stem, None))
             if sentences != n:
                 raise SystemExit(f"error: {stem}.bin has {sentences} sentences for {n} pairs")
@@ -152,8 +173,11 @@ def prepare(args):
     langs = (args.src, args.tgt)
     done, digest = os.path.join(args.out, ".done"), inputs_hash(args)
     if os.path.exists(done) and read_lines(done) == [digest]:
-        print(f"{args.out} is up to date; nothing to do")
-        return
+        missing = missing_outputs(args)
+        if not missing:
+            print(f"{args.out} is up to date; nothing to do")
+            return
+        print(f"{args.out} lacks {missing[0]} (and {len(missing) - 1} more): building it again")
     text_dir, raw_dir = os.path.join(args.out, "text"), os.path.join(args.out, "raw")
     os.makedirs(text_dir, exist_ok=True)
     os.makedirs(raw_dir, exist_ok=True)

@@ -76,6 +76,11 @@ def test_prepare_builds_joined_data_bin(corpus, capsys):
     assert "up to date" in capsys.readouterr().out
     prepare_data.main(cli_args(corpus)[:-1] + ["40"])
     assert "up to date" not in capsys.readouterr().out
+    # Up to date by .done, but a file it wrote deleted since: was "up to date", the file gone.
+    (out / "text" / "train.bpe.de").unlink()
+    prepare_data.main(cli_args(corpus)[:-1] + ["40"])
+    assert "lacks " + str(out / "text" / "train.bpe.de") in capsys.readouterr().out
+    assert len((out / "text" / "train.bpe.de").read_text().split("\n")) == 60 + 1
 
 
 def test_missing_file_names_the_file(corpus):
