@@ -177,7 +177,8 @@ def prepare(args):
         if not missing:
             print(f"{args.out} is up to date; nothing to do")
             return
-        print(f"{args.out} lacks {missing[0]} (and {len(missing) - 1} more): building it again")
+        more = f" and {len(missing) - 1} more files" if len(missing) > 1 else ""
+        print(f"{args.out} lacks {missing[0]}{more}: building it again")
     text_dir, raw_dir = os.path.join(args.out, "text"), os.path.join(args.out, "raw")
     os.makedirs(text_dir, exist_ok=True)
     os.makedirs(raw_dir, exist_ok=True)
