@@ -27,6 +27,10 @@ for d in "$OUT" "$OUT/subset"; do
   [ "$(realpath -m "$d")" != "$(realpath -m "$DATA")" ] || {
     echo "error: OUT $OUT would overwrite the corpus DATA $DATA: give another folder" >&2; exit 1; }
 done
+# OUT/raw is to link to DATA's references; ln -sfn would put the link inside a folder there.
+[ ! -e "$OUT/raw" ] || [ -L "$OUT/raw" ] || {
+  echo "error: $OUT/raw is a folder of references of its own (OUT made by prepare_data.py?):" \
+    "give another OUT" >&2; exit 1; }
 stamp=$( { echo "$SRC $TGT ${SENTENCES:-all}"; printf '%s\n' "$@"
   for f in "$CKPT" "$DATA/text/train.bpe.$SRC" "$DATA/dict.$SRC.txt" "$DATA/dict.$TGT.txt"; do sha256sum < "$f"; done
 } | sha256sum | cut -d' ' -f1)

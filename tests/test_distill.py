@@ -196,3 +196,12 @@ def test_sentences_that_is_not_a_count_is_refused(corpus_text, tmp_path, sentenc
     message = refused(data, checkpoint, tmp_path / "out", {"SENTENCES": sentences})
     assert f"SENTENCES={sentences}: give a number of training pairs" in message, message
     assert not (tmp_path / "out").exists()
+
+
+def test_out_with_references_of_its_own_is_refused(corpus_text, tmp_path):
+    """Was: ln -sfn put the link to DATA's references inside OUT/raw, and BLEU went on being
+    scored against the old references there (OUT an older prepare_data.py folder)."""
+    data, checkpoint = corpus_text
+    (tmp_path / "out" / "raw").mkdir(parents=True)
+    message = refused(data, checkpoint, tmp_path / "out")
+    assert f"error: {tmp_path / 'out'}/raw is a folder of references of its own" in message, message
