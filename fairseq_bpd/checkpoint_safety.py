@@ -76,12 +76,7 @@ def _refusal(path, error):
         # torch's weights-only unpickler stops at the first global it refuses, and names it.
         unsafe = re.findall(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", str(error))
         if not unsafe:
-            try:
-                torch.load(local_path, map_location="cpu")
-            except Exception as reason:
-                reason = f"{type(reason).__name__}: {reason}"
-                return f"{corrupt}, or torch.save did not write it ({reason})"
-            return None
+            return _not_a_checkpoint(path, local_path, corrupt)
     except Exception as reason:  # torch's zip reader raises RuntimeError, the pickle EOFError, ...
         return f"{corrupt} ({reason})"
     if unsafe:
@@ -105,7 +100,30 @@ def _refusal(path, error):
         )
     if isinstance(error, (pickle.UnpicklingError, EOFError)):
         return f"{corrupt} ({error})"
-    return None
+    return _not_a_checkpoint(path, local_path, corrupt)
+
+
+def _not_a_checkpoint(path, local_path, corrupt):
+    """Why the file torch.save wrote (or not) is no fairseq checkpoint; None if it is one.
+
+    A tensor, a list or a bare state dict saved with torch.save loads, and fairseq then
+    fails on it with a TypeError or KeyError that names neither the file nor the cause.
+    """
+    try:
+        state = torch.load(local_path, map_location="cpu")  # weights-only: builds nothing unsafe
+    except Exception as reason:
+        return f"{corrupt}, or torch.save did not write it ({type(reason).__name__}: {reason})"
+    if isinstance(state, dict) and "model" in state and ("cfg" in state or "args" in state):
+        return None
+    found = f"a {type(state).__name__}"
+    if isinstance(state, dict):
+        keys = sorted(map(repr, state))
+        found = f"a dict of {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
+    return (
+        f"cannot load checkpoint {path}: it is not a fairseq checkpoint (it holds {found}; "
+        "fairseq-train saves a dict of 'model', the weights, and 'cfg', the configuration "
+        "the model is built from)"
+    )
 
 
 _fairseq_load_checkpoint_to_cpu = checkpoint_utils.load_checkpoint_to_cpu
@@ -115,10 +133,13 @@ def load_checkpoint_to_cpu(path, *args, **kwargs):
     """fairseq's loader, but a bad file raises CheckpointError naming it, not a pickle traceback."""
     try:
         return _fairseq_load_checkpoint_to_cpu(path, *args, **kwargs)
-    # What torch.load raises on a bad file; anything else passes through. An OSError that
+    # What torch.load raises on a bad file (an IndexError: an old-format file cut after a
+    # byte or so), and fairseq on a file that is no checkpoint (TypeError, KeyError);
+    # _refusal lets through whatever the file is not to blame for. An OSError that
     # names no file is torch's reader seeking past the end of a truncated one; one that
     # names it is open()'s (a missing file, a directory, no permission).
-    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, ValueError, OSError) as error:
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, ValueError, OSError,
+            IndexError, TypeError) as error:
         if isinstance(error, OSError) and error.filename is not None:
             raise
         message = _refusal(path, error)

@@ -81,12 +81,18 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.random_head = random_head
-        if head1_weight <= 0:
-            raise ValueError(f"--head1-weight must be greater than 0 (got {head1_weight})")
+        if not 0 < head1_weight < math.inf:  # nan too: it would train on a nan loss
+            raise ValueError(f"--head1-weight must be a number greater than 0 (got {head1_weight})")
         self.head1_weight = head1_weight
 
     def forward(self, model, sample, reduce=True):
         net_output = model(**sample["net_input"])
+        if "block_features" not in net_output[1]:  # was a bare KeyError: 'block_features'
+            raise ValueError(
+                f"--criterion blockwise_cross_entropy trains a model with proposal heads, and "
+                f"{type(model).__name__} has none: use --arch transformer_blockwise (or "
+                "transformer_blockwise_small, ...), or --criterion label_smoothed_cross_entropy"
+            )
         block = net_output[1]["block_features"]  # B x T x k x C
         target = model.get_targets(sample, net_output)
         if self.ignore_prefix_size > 0:

@@ -4,6 +4,7 @@
 # output, with the same dictionary, as the new training targets.
 # Usage: [SRC=de TGT=en] [SENTENCES=N] scripts/distill.sh DATA BASE_CKPT OUT [fairseq-generate flags...]
 # SENTENCES=N distils only the first N training pairs (a CPU budget); OUT's train set is then those N.
+# OUT must be another folder than DATA (its train text and dictionaries are rewritten).
 # A rerun reuses OUT's targets only if OUT/.distilled, a hash of what they came from (the
 # checkpoint, the source text, the dictionaries, SRC, TGT, SENTENCES and the flags), still
 # matches; otherwise it distils again. Every run checks that each target is paired with
@@ -18,6 +19,18 @@ SRC=${SRC:-de}; TGT=${TGT:-en}
 [ -f "$DATA/dict.$SRC.txt" ] && [ -f "$DATA/dict.$TGT.txt" ] || {
   echo "error: $DATA has no dict.$SRC.txt / dict.$TGT.txt; set SRC= and TGT= to its languages" >&2; exit 1; }
 for f in "$CKPT" "$DATA/text/train.bpe.$SRC"; do [ -f "$f" ] || { echo "error: not found: $f" >&2; exit 1; }; done
+# head -n 0 gives an empty train set, head -n -N all but the last N lines.
+[[ -z "$SENTENCES" || "$SENTENCES" =~ ^[1-9][0-9]*$ ]] || {
+  echo "error: SENTENCES=$SENTENCES: give a number of training pairs, 1 or more" >&2; exit 1; }
+# OUT's train text, dictionaries and stamp would overwrite DATA's own (the human targets).
+for d in "$OUT" "$OUT/subset"; do
+  [ "$(realpath -m "$d")" != "$(realpath -m "$DATA")" ] || {
+    echo "error: OUT $OUT would overwrite the corpus DATA $DATA: give another folder" >&2; exit 1; }
+done
+# OUT/raw is to link to DATA's references; ln -sfn would put the link inside a folder there.
+[ ! -e "$OUT/raw" ] || [ -L "$OUT/raw" ] || {
+  echo "error: $OUT/raw is a folder of references of its own (OUT made by prepare_data.py?):" \
+    "give another OUT" >&2; exit 1; }
 stamp=$( { echo "$SRC $TGT ${SENTENCES:-all}"; printf '%s\n' "$@"
   for f in "$CKPT" "$DATA/text/train.bpe.$SRC" "$DATA/dict.$SRC.txt" "$DATA/dict.$TGT.txt"; do sha256sum < "$f"; done
 } | sha256sum | cut -d' ' -f1)
@@ -31,7 +44,8 @@ if [ -n "$SENTENCES" ]; then
     --srcdict "$DATA/dict.$SRC.txt" --tgtdict "$DATA/dict.$TGT.txt" --destdir "$SOURCE" --workers 2 > /dev/null
   mkdir -p "$SOURCE/text"; mv "$SOURCE"/train.bpe.* "$SOURCE/text/"
 fi
-if [ "$(cat "$OUT/.distilled" 2>/dev/null)" != "$stamp" ]; then
+# Translate unless OUT holds the output of a run on the same inputs (delete it to force one).
+if [ "$(cat "$OUT/.distilled" 2>/dev/null)" != "$stamp" ] || [ ! -f "$OUT/generate-train.txt" ]; then
   [ ! -e "$OUT/generate-train.txt" ] || echo "$OUT was distilled from other inputs (checkpoint, source" \
     "text, dictionaries, SRC/TGT, SENTENCES or flags): distilling again" >&2
   rm -f "$OUT/.distilled" "$OUT/generate-train.txt" "$OUT/text/train.bpe.$TGT"

@@ -31,7 +31,7 @@ from subword_nmt.learn_bpe import learn_bpe
 SPLITS = ("train", "valid", "test")
 # Part of the .done hash: bump it when the preprocessing itself changes, so
 # existing data-bins are rebuilt rather than silently reused.
-PIPELINE_VERSION = 2
+PIPELINE_VERSION = 3
 # Line boundaries for str.splitlines() or universal newlines, besides "\n".
 LINE_BREAKS = re.compile("[\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 
@@ -42,19 +42,22 @@ def read_lines(path):
     str.splitlines() (and a text file's universal newlines) also break at \\r, \\v, \\f,
     \\x1c-\\x1e, U+0085, U+2028 and U+2029, which shifts every pair after one of them.
     Inside a line they become spaces, so no tool downstream splits it; a CR before the
-    newline (CRLF files) and a UTF-8 byte-order mark are dropped.
+    newline (CRLF files) and a UTF-8 byte-order mark are dropped, the latter anywhere
+    (files joined with cat carry one at each join). A file with CRs and no newline at
+    all (classic Mac line ends) is split at its CRs, not read as one line.
     """
     if not os.path.isfile(path):
         raise SystemExit(f"error: input file not found: {path}")
     with open(path, "rb") as f:
         data = f.read()
     try:
-        text = data.decode("utf-8-sig")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise SystemExit(f"error: {path} is not UTF-8 text: line {line}, byte {error.start}: "
                          f"{error.reason}; convert it first, e.g. iconv -f latin1 -t utf-8")
-    lines = text.split("\n")
+    text = text.replace("\ufeff", "")
+    lines = text.split("\n" if "\n" in text or "\r" not in text else "\r")
     if lines[-1] == "":
         lines.pop()  # the last line's newline
     return [LINE_BREAKS.sub(" ", line.removesuffix("\r")) for line in lines]
@@ -122,21 +125,42 @@ def fairseq_preprocess(args, text_dir):
     subprocess.run(cmd, check=True)
 
 
+def written_text(args, split, lang):
+    """The text files written for one side of a split, one line a pair."""
+    paths = [os.path.join(args.out, "text", f"{split}.{kind}.{lang}") for kind in ("tok", "bpe")]
+    if split != "train":
+        paths.append(os.path.join(args.out, "raw", f"{split}.{lang}"))
+    return paths
+
+
+def binarised(args, split, lang):
+    """fairseq's stem of one side of a split (.bin and .idx)."""
+    return os.path.join(args.out, f"{split}.{args.src}-{args.tgt}.{lang}")
+
+
+def missing_outputs(args):
+    """The files a finished run wrote that are not there (deleted since)."""
+    paths = [os.path.join(args.out, name) for name in
+             ("bpe.codes", f"dict.{args.src}.txt", f"dict.{args.tgt}.txt")]
+    for split in SPLITS:
+        for lang in (args.src, args.tgt):
+            stem = binarised(args, split, lang)
+            paths += written_text(args, split, lang) + [stem + ".bin", stem + ".idx"]
+    return [path for path in paths if not os.path.exists(path)]
+
+
 def check_written(args, pairs):
     """Exit unless every file written holds one line, and fairseq one sentence, a pair."""
     from fairseq.data import data_utils  # slow to import; only needed here
 
     for split, n in pairs.items():
         for lang in (args.src, args.tgt):
-            paths = [os.path.join(args.out, "text", f"{split}.{kind}.{lang}") for kind in ("tok", "bpe")]
-            if split != "train":
-                paths.append(os.path.join(args.out, "raw", f"{split}.{lang}"))
-            for path in paths:
+            for path in written_text(args, split, lang):
                 with open(path, encoding="utf-8") as f:  # lines as fairseq-preprocess reads them
                     lines = sum(1 for _ in f)
                 if lines != n:
                     raise SystemExit(f"error: {path} has {lines} lines for {n} sentence pairs")
-            stem = os.path.join(args.out, f"{split}.{args.src}-{args.tgt}.{lang}")
+            stem = binarised(args, split, lang)
             sentences = len(data_utils.load_indexed_dataset(stem, None))
             if sentences != n:
                 raise SystemExit(f"error: {stem}.bin has {sentences} sentences for {n} pairs")
@@ -149,8 +173,12 @@ def prepare(args):
     langs = (args.src, args.tgt)
     done, digest = os.path.join(args.out, ".done"), inputs_hash(args)
     if os.path.exists(done) and read_lines(done) == [digest]:
-        print(f"{args.out} is up to date; nothing to do")
-        return
+        missing = missing_outputs(args)
+        if not missing:
+            print(f"{args.out} is up to date; nothing to do")
+            return
+        more = f" and {len(missing) - 1} more files" if len(missing) > 1 else ""
+        print(f"{args.out} lacks {missing[0]}{more}: building it again")
     text_dir, raw_dir = os.path.join(args.out, "text"), os.path.join(args.out, "raw")
     os.makedirs(text_dir, exist_ok=True)
     os.makedirs(raw_dir, exist_ok=True)
@@ -198,8 +226,13 @@ def main(argv=None):
                         help=f"{split} text is PREFIX.<src> and PREFIX.<tgt>")
     ap.add_argument("--out", required=True, help="data-bin folder to write")
     ap.add_argument("--merges", type=int, default=8000, help="BPE merge operations")
-    ap.add_argument("--workers", type=int, default=2, help="tokeniser processes")
-    prepare(ap.parse_args(argv))
+    ap.add_argument("--workers", type=int, default=2, help="tokeniser processes (1 or more)")
+    args = ap.parse_args(argv)
+    if args.workers < 1:  # was a ZeroDivisionError (0) or multiprocessing's ValueError
+        ap.error(f"--workers must be 1 or more (got {args.workers})")
+    if args.src == args.tgt:  # both sides would be one file, and one dictionary's entries
+        ap.error(f"--src and --tgt must be two languages (got {args.src} for both)")
+    prepare(args)
 
 
 if __name__ == "__main__":

@@ -217,8 +217,9 @@ def test_head1_weight_weighs_head_1_against_the_others(data_dir):
     assert torch.allclose(plain_loss, sum(heads) / 3)
     assert torch.allclose(loss, (4.0 * heads[0] + heads[1] + heads[2]) / 6)
     assert not torch.allclose(loss, plain_loss)
-    with pytest.raises(ValueError, match="--head1-weight must be greater than 0"):
-        criterion(task, head1_weight=0.0)
+    for bad in (0.0, -1.0, math.nan, math.inf):  # nan, inf: were taken, and the loss was nan
+        with pytest.raises(ValueError, match=f"--head1-weight must be a number greater than 0 .got {bad}"):
+            criterion(task, head1_weight=bad)
 
 
 def test_random_head_draws_head_1_by_its_weight(data_dir):
@@ -275,3 +276,35 @@ def test_shortlisted_heads_count_targets_outside_it_as_misses(data_dir):
     values = aggregate.get_smoothed_values()
     assert values["acc_h2"] == pytest.approx(100 * 2 / 3, abs=1e-2)
     assert values["acc_h3"] == 100 and values["block"] == pytest.approx(7 / 4, abs=1e-3)
+
+
+def test_a_model_without_heads_is_named(data_dir):
+    """Was: KeyError 'block_features' from fairseq-train --arch transformer."""
+    task, model, _ = build(data_dir, task="translation", arch="transformer")
+    with pytest.raises(ValueError, match=r"TransformerModel has none: use --arch transformer_blockwise"):
+        criterion(task)(model, translation_batch(task, 2, seed=12))
+
+
+@pytest.mark.parametrize("flags, options", [
+    ((), {}),
+    (("--head-vocab", "12"), {}),
+    ((), {"ignore_prefix_size": 1}),
+    (("--head-layout", "paper"), {"sentence_avg": True}),
+])
+def test_head_1_logs_what_stock_label_smoothed_cross_entropy_does(data_dir, flags, options):
+    """k=3: head 1's summed loss, fairseq's nll_loss and accuracy are stock's on the same batch.
+    (Reduced, loss_h1 is per target token, also under --sentence-avg, where stock's loss is
+    per sentence.)"""
+    task, model, _ = build(data_dir, "--block-size", "3", *flags)
+    sentence_avg = options.pop("sentence_avg", False)
+    sample = translation_batch(task, 6, seed=13)
+    stock = LabelSmoothedCrossEntropyCriterion(task, sentence_avg, SMOOTHING, report_accuracy=True, **options)
+    ours = BlockwiseCrossEntropyCriterion(task, sentence_avg, SMOOTHING, report_accuracy=True, **options)
+    _, sample_size, log = ours(model, sample)
+    _, stock_size, stock_log = stock(model, sample)
+    assert sample_size == stock_size
+    assert torch.equal(log["loss_h1"], stock_log["loss"])
+    assert torch.equal(log["nll_loss"], stock_log["nll_loss"])
+    assert (log["n_correct_h1"], log["total_h1"]) == (stock_log["n_correct"], stock_log["total"])
+    for key in ("n_correct", "total", "ntokens", "nsentences", "sample_size"):
+        assert log[key] == stock_log[key], key

@@ -76,6 +76,11 @@ def test_prepare_builds_joined_data_bin(corpus, capsys):
     assert "up to date" in capsys.readouterr().out
     prepare_data.main(cli_args(corpus)[:-1] + ["40"])
     assert "up to date" not in capsys.readouterr().out
+    # Up to date by .done, but a file it wrote deleted since: was "up to date", the file gone.
+    (out / "text" / "train.bpe.de").unlink()
+    prepare_data.main(cli_args(corpus)[:-1] + ["40"])
+    assert "lacks " + str(out / "text" / "train.bpe.de") in capsys.readouterr().out
+    assert len((out / "text" / "train.bpe.de").read_text().split("\n")) == 60 + 1
 
 
 def test_missing_file_names_the_file(corpus):
@@ -224,3 +229,44 @@ def test_byte_order_mark_is_dropped(corpus):
     assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
     first = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")[0]
     assert first == "Der mann sieht den Hund , sagt er ."  # no BOM token before "Der"
+
+
+def test_classic_mac_line_ends_are_line_ends(corpus):
+    """Was: files whose lines end in a bare CR (no newline at all) read as one line each,
+    so a corpus in them came out as one pair, without a word."""
+    for name in ("train.de", "train.en", "test.en"):
+        path = corpus / name
+        path.write_bytes(path.read_bytes().replace(b"\n", b"\r"))
+    prepare_data.main(cli_args(corpus))
+    out = corpus / "bin"
+    tokens = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")
+    assert len(tokens) == 60 + 1 and tokens[0] == "Der mann sieht den Hund , sagt er ."
+    references = (out / "raw" / "test.en").read_text(encoding="utf-8")
+    assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
+
+
+def test_byte_order_marks_of_joined_files_are_dropped(corpus):
+    """cat a b of two files saved with a BOM leaves one at the start of b's first line."""
+    for name, first in (("train.de", 30), ("train.en", 30), ("test.en", 2)):
+        path = corpus / name
+        lines = path.read_bytes().split(b"\n")
+        bom = b"\xef\xbb\xbf"
+        path.write_bytes(bom + b"\n".join(lines[:first]) + b"\n" + bom + b"\n".join(lines[first:]))
+    prepare_data.main(cli_args(corpus))
+    out = corpus / "bin"
+    assert "\ufeff" not in (out / "dict.en.txt").read_text(encoding="utf-8")
+    references = (out / "raw" / "test.en").read_text(encoding="utf-8")
+    assert references == "".join(en + "\n" for _, en in toy_pairs(5, offset=11))
+    joined = (out / "text" / "train.tok.de").read_text(encoding="utf-8").split("\n")[30]
+    assert joined == "Der mann ruft das Haus , sagt er ."  # no BOM token before "Der"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "0"], "--workers must be 1 or more (got 0)"),  # was a ZeroDivisionError
+    (["--tgt", "de"], "--src and --tgt must be two languages (got de for both)"),  # was de-de "pairs"
+])
+def test_bad_flags_are_named(corpus, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        prepare_data.main(cli_args(corpus) + flags)
+    assert message in capsys.readouterr().err
+    assert not (corpus / "bin").exists()

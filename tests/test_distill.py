@@ -84,6 +84,10 @@ def test_rerun_distils_again_when_an_input_changed(base, tmp_path):
     assert "distilling again" not in distill(data, checkpoint, out, sentences=50)
     assert (out / "generate-train.txt").stat().st_mtime_ns == before
     assert_paired(out, source[:50])
+    # Its generate output deleted, to translate again: was a FileNotFoundError traceback.
+    (out / "generate-train.txt").unlink()
+    distill(data, checkpoint, out, sentences=50)
+    assert_paired(out, source[:50])
 
     # The same N of reshuffled data: was every pair misaligned, without a word.
     for lang in ("de", "en"):
@@ -145,3 +149,59 @@ def test_a_sentence_twice_is_refused(tmp_path, source):
         f.write("H-1\t-0.3\tC2\n")
     with pytest.raises(SystemExit, match=r"two H-1 lines"):
         distill_targets.main(["extract", generated, source, str(tmp_path / "out")])
+
+
+@pytest.fixture
+def corpus_text(tmp_path):
+    """A data folder as far as distill.sh looks before translating, and a checkpoint file."""
+    data = tmp_path / "data bin"  # a space: every path is quoted
+    (data / "text").mkdir(parents=True)
+    for lang in ("de", "en"):
+        (data / f"dict.{lang}.txt").write_text("a 1\n", encoding="utf-8")
+        (data / "text" / f"train.bpe.{lang}").write_text(f"{lang} 1\n{lang} 2\n", encoding="utf-8")
+    checkpoint = tmp_path / "base.pt"
+    checkpoint.write_bytes(b"not read: refused before")
+    return data, checkpoint
+
+
+def refused(data, checkpoint, out, env=()):
+    process = subprocess.run(
+        ["bash", str(SCRIPTS / "distill.sh"), str(data), str(checkpoint), str(out), *GENERATE],
+        env={**ENV, **dict(env)}, capture_output=True, text=True, timeout=60,
+    )
+    assert process.returncode != 0
+    return process.stderr
+
+
+@pytest.mark.parametrize("out", ["{data}", "{data}/", "{data}/../data bin", "subset of it"])
+def test_out_that_is_the_corpus_is_refused_and_nothing_lost(corpus_text, out):
+    """Was: OUT = DATA replaced DATA's human train targets with the base model's translations
+    (and under SENTENCES, DATA = OUT/subset cut DATA's train text to its first N lines)."""
+    data, checkpoint = corpus_text
+    before = {path: path.read_bytes() for path in data.rglob("*") if path.is_file()}
+    if out == "subset of it":
+        data_arg, out_arg = data.parent / "subset", data.parent
+        data_arg.symlink_to(data)
+    else:
+        data_arg, out_arg = data, out.format(data=data)
+    message = refused(data_arg, checkpoint, out_arg, {"SENTENCES": "1"})
+    assert f"would overwrite the corpus DATA {data_arg}" in message, message
+    assert {path: path.read_bytes() for path in data.rglob("*") if path.is_file()} == before
+
+
+@pytest.mark.parametrize("sentences", ["0", "-5", "abc", "1.5"])
+def test_sentences_that_is_not_a_count_is_refused(corpus_text, tmp_path, sentences):
+    """Was: SENTENCES=0 a traceback from an empty train set, SENTENCES=-5 all but the last 5 pairs."""
+    data, checkpoint = corpus_text
+    message = refused(data, checkpoint, tmp_path / "out", {"SENTENCES": sentences})
+    assert f"SENTENCES={sentences}: give a number of training pairs" in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_with_references_of_its_own_is_refused(corpus_text, tmp_path):
+    """Was: ln -sfn put the link to DATA's references inside OUT/raw, and BLEU went on being
+    scored against the old references there (OUT an older prepare_data.py folder)."""
+    data, checkpoint = corpus_text
+    (tmp_path / "out" / "raw").mkdir(parents=True)
+    message = refused(data, checkpoint, tmp_path / "out")
+    assert f"error: {tmp_path / 'out'}/raw is a folder of references of its own" in message, message
