@@ -29,12 +29,17 @@ def verify(lprobs, block, score, topk):
     each proposal's log-prob b x n-1.
     """
     proposal_lprobs = lprobs[:, :-1].gather(2, block[:, 1:, None]).squeeze(2)  # b x n-1
-    running = [score]
-    for j in range(block.size(1) - 1):  # sequential float32 sums, as fairseq's loop adds
-        running.append(running[-1] + proposal_lprobs[:, j])
-    running = torch.stack(running, dim=1)  # b x n
+    running = running_scores(score, proposal_lprobs)
     values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=max(2, topk), dim=2)
     return candidates, values, running, proposal_lprobs
+
+
+def running_scores(score, proposal_lprobs):
+    """The running score before each block output: b x n, from score b and proposal_lprobs b x n-1."""
+    running = [score]
+    for j in range(proposal_lprobs.size(1)):  # sequential float32 sums, as fairseq's loop adds
+        running.append(running[-1] + proposal_lprobs[:, j])
+    return torch.stack(running, dim=1)
 
 
 def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block):
@@ -224,13 +229,9 @@ class BlockwiseGenerator(nn.Module):
             batch.invocations += 1
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len)
 
-            # 2. Verify the proposals with head 1, 3. accept the longest agreeing prefix.
-            candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk)
+            # 2.-4. Verify, accept and commit (verify_block).
             limit = (max_len + 1 - batch.length).clamp(max=n)  # no output past step max_len
-            kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
-
-            # 4. Commit the kept proposals and head 1's choice after them.
-            outputs, output_scores, added, finished = commit(block, candidates, values, running, kept, self.eos)
+            kept, outputs, output_scores, added, finished = self.verify_block(lprobs, block, self.score(batch), limit)
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
@@ -254,6 +255,18 @@ class BlockwiseGenerator(nn.Module):
 
             # 7. The heads at the last accepted position propose the next block.
             proposals = self.propose(last, batch.sentence, batch.tokens, batch.length)
+
+    def verify_block(self, lprobs, block, score, limit):
+        """Steps 2-4 on head 1's lprobs b x n x V over `block` b x n (see verify, accept, commit).
+
+        score: b, the running score so far; limit: b, the most outputs each sentence may add.
+        Returns kept b, then commit's outputs b x n, output_scores b x n, added b, finished b.
+        """
+        # 2. Verify the proposals with head 1, 3. accept the longest agreeing prefix.
+        candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk)
+        kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
+        # 4. Commit the kept proposals and head 1's choice after them.
+        return (kept, *commit(block, candidates, values, running, kept, self.eos))
 
     def max_length(self, src_tokens, src_lengths):
         """The longest output allowed, EOS excluded: an int (fairseq's rule)."""

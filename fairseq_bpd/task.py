@@ -11,6 +11,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from .generator import BlockwiseGenerator, BlockwiseStats
 from .model import BlockwiseDecoder, shortlist_problem
+from .sampling import SpeculativeSampler, sampling_problem
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,10 @@ class TranslationBlockwiseConfig(TranslationConfig):
     )
     blockwise: bool = field(
         default=False,
-        metadata={"help": "decode with blockwise parallel decoding (greedy; see --blockwise-topk)"},
+        metadata={
+            "help": "decode with blockwise parallel decoding (greedy; see --blockwise-topk; "
+            "with --sampling: speculative sampling, exactly fairseq's sampling distribution)"
+        },
     )
     blockwise_topk: int = field(
         default=1,
@@ -103,8 +107,15 @@ class TranslationBlockwiseTask(TranslationTask):
             # fairseq's CLIs have no end-of-run hook for a task; one summary per run, at exit.
             self.blockwise_stats = BlockwiseStats()
             atexit.register(log_at_exit, self.blockwise_stats)
+        problem = sampling_problem(args, self.cfg)
+        if problem:
+            raise ValueError(f"--blockwise: {problem}")
         decoder = models[0].decoder
-        return BlockwiseGenerator(
+        sampling = {}
+        if getattr(args, "sampling", False):
+            sampling = {"sampling_topk": getattr(args, "sampling_topk", -1),
+                        "sampling_topp": getattr(args, "sampling_topp", -1.0)}
+        return (SpeculativeSampler if sampling else BlockwiseGenerator)(
             models[0],
             self.target_dictionary,
             block_size=self.cfg.block_size or decoder.block_size,
@@ -122,6 +133,7 @@ class TranslationBlockwiseTask(TranslationTask):
             match_source_len=getattr(args, "match_source_len", False),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
             stats=self.blockwise_stats,
+            **sampling,
         )
 
     def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
@@ -136,8 +148,6 @@ class TranslationBlockwiseTask(TranslationTask):
             refuse(f"decoding is greedy, but --beam {beam} was given; use --beam 1 or drop --blockwise")
         if getattr(args, "nbest", 1) > 1:
             refuse("gives one hypothesis; --nbest must be 1")
-        if getattr(args, "sampling", False):
-            refuse("cannot be combined with --sampling")
         if getattr(args, "prefix_size", 0) > 0:
             refuse("cannot be combined with --prefix-size")
         if getattr(args, "constraints", None):
