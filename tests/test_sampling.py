@@ -30,6 +30,9 @@ REQUESTS = {
     "top-k 3": ({"sampling_topk": 3}, {}),
     "top-p 0.8": ({"sampling_topp": 0.8}, {}),
     "unk penalty, min len 2": ({}, {"unk_penalty": 1.0, "min_len": 2}),
+    # Up to 4 tokens: blocks of 3 outputs, a rejection after an accepted proposal.
+    "4 tokens": ({}, {"max_len_b": 3}),
+    "4 tokens, top-k 4": ({"sampling_topk": 4}, {"max_len_b": 3}),
 }
 
 
@@ -48,7 +51,8 @@ def copies(sources, n):
     return {"id": torch.arange(n), "net_input": net_input}
 
 
-def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=0.0, min_len=1):
+def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=0.0, min_len=1,
+                      max_len_b=MAX_LEN_B):
     """fairseq's constrained log-probs of the next output after `prefix` (float64): V."""
     d = task.target_dictionary
     src = source[source.ne(d.pad())][None]
@@ -58,7 +62,7 @@ def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=
     lprobs = (logits / temperature).log_softmax(dim=-1)
     lprobs[d.pad()] = -math.inf
     lprobs[d.unk()] -= unk_penalty
-    if len(prefix) >= MAX_LEN_B:
+    if len(prefix) >= max_len_b:
         lprobs[torch.arange(len(d)) != d.eos()] = -math.inf
     if len(prefix) < min_len:
         lprobs[d.eos()] = -math.inf
@@ -122,8 +126,8 @@ def sample(tiny, sampling, options, bsz=SAMPLES, calls=1, seed=0, generator_clas
     """`calls` batches of bsz blockwise samples at a fixed seed; the hypotheses and the sampler."""
     task, model, sources = tiny
     generator = torch.Generator().manual_seed(seed)
-    sampler = generator_class(model, task.target_dictionary, block_size=4, max_len_b=MAX_LEN_B,
-                              generator=generator, **sampling, **options, **kwargs)
+    sampler = generator_class(model, task.target_dictionary, block_size=4, generator=generator,
+                              **sampling, **{"max_len_b": MAX_LEN_B, **options}, **kwargs)
     batch = copies(sources, bsz)
     return [h for _ in range(calls) for h in sampler.generate([model], batch)], sampler
 
@@ -171,14 +175,14 @@ class DrawsFromPAfterARejection(SpeculativeSampler):
 
 
 @pytest.mark.parametrize("wrong", [AcceptsEverything, DrawsFromPAfterARejection])
-@pytest.mark.parametrize("request_", [REQUESTS["plain"], REQUESTS["top-k 3"]], ids=["plain", "top-k 3"])
+@pytest.mark.parametrize("request_", [REQUESTS["plain"], REQUESTS["4 tokens, top-k 4"]], ids=["plain", "4 tokens, top-k 4"])
 def test_the_test_rejects_wrong_rules(tiny, request_, wrong):
     sampling, options = request_
     hypos, _ = sample(tiny, sampling, options, generator_class=wrong)
     assert g_test(hypos, exact_tables(tiny, sampling, options), lambda i: i % SOURCES) < 1e-6
 
 
-@pytest.mark.parametrize("bsz,calls", [(1, 3000), (64, 313)])
+@pytest.mark.parametrize("bsz,calls", [(1, 1500), (64, 313)])
 def test_batch_size_keeps_the_distribution(tiny, bsz, calls):
     # Batch 1 decodes source 0 only; batch 64 alternates both sources.
     hypos, _ = sample(tiny, {}, {}, bsz=bsz, calls=calls)
