@@ -55,6 +55,11 @@ def speculative_accept(p, q, proposals, generator=None):
     return uniform * qx < px
 
 
+def at(x, position):
+    """Each sentence's row at `position` (b) of x b x n x V: b x V."""
+    return x.gather(1, position[:, None, None].expand(-1, 1, x.size(2)))[:, 0]
+
+
 def residual(p, q):
     """norm(max(0, p - q)) up to scale: b x V. It is all 0 only if p = q, when no proposal
     is rejected; p then stands in, for rounding's sake."""
@@ -89,21 +94,22 @@ class SpeculativeSampler(BlockwiseGenerator):
         p = weights / weights.sum(dim=2, keepdim=True)
         n = block.size(1)
         q = self.draft if n > 1 else p[:, :0]  # b x n-1 x V
+        # 2. Verify: each proposal passes with probability min(1, p/q); 3. accept the passing run.
         passes = self.accept(p[:, :-1], q, block[:, 1:])  # b x n-1
         kept = torch.minimum(1 + passes.long().cumprod(dim=1).sum(dim=1), limit)
 
-        # The output after the kept proposals: from the residual where the next proposal
-        # was rejected, from p where none was (all passed, or the block reached `limit`).
-        last = (kept - 1)[:, None, None].expand(-1, 1, p.size(2))  # b x 1 x V
-        rejected = ~torch.cat([passes, passes.new_ones(passes.size(0), 1)], dim=1).gather(1, last[:, :, 0])  # b x 1
-        p_last = p.gather(1, last)[:, 0]  # b x V
-        q_last = torch.cat([q, p[:, -1:]], dim=1).gather(1, last)[:, 0]  # b x V (p: no proposal there)
+        # 4. The output after the kept proposals: from the residual where the proposal
+        # there was rejected, from p where it was not (all passed, or `limit` cut the block).
+        last = kept - 1
+        rejected = ~torch.cat([passes, passes.new_ones(passes.size(0), 1)], dim=1).gather(1, last[:, None])  # b x 1
+        p_last = at(p, last)
+        q_last = at(torch.cat([q, p[:, -1:]], dim=1), last)  # after the last block token, no proposal: p
         final = draw(torch.where(rejected, self.correction(p_last, q_last), p_last), self.generator)  # b
 
-        log_weights = weights.log()
-        running = running_scores(score, log_weights[:, :-1].gather(2, block[:, 1:, None])[..., 0])  # b x n
+        # Scores as fairseq's Sampling records them: log of the drawn token's weight.
+        running = running_scores(score, weights[:, :-1].gather(2, block[:, 1:, None])[..., 0].log())  # b x n
         candidates = final[:, None, None].expand(-1, n, 1)  # b x n x 1
-        values = running[..., None] + log_weights.gather(2, candidates)
+        values = running[..., None] + weights.gather(2, candidates).log()
         return (kept, *commit(block, candidates, values, running, kept, self.eos))
 
     def accept(self, p, q, proposals):

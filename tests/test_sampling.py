@@ -175,9 +175,9 @@ class DrawsFromPAfterARejection(SpeculativeSampler):
 
 
 @pytest.mark.parametrize("wrong", [AcceptsEverything, DrawsFromPAfterARejection])
-@pytest.mark.parametrize("request_", [REQUESTS["plain"], REQUESTS["4 tokens, top-k 4"]], ids=["plain", "4 tokens, top-k 4"])
-def test_the_test_rejects_wrong_rules(tiny, request_, wrong):
-    sampling, options = request_
+@pytest.mark.parametrize("name", ["plain", "4 tokens, top-k 4"])
+def test_the_test_rejects_wrong_rules(tiny, name, wrong):
+    sampling, options = REQUESTS[name]
     hypos, _ = sample(tiny, sampling, options, generator_class=wrong)
     assert g_test(hypos, exact_tables(tiny, sampling, options), lambda i: i % SOURCES) < 1e-6
 
