@@ -153,13 +153,14 @@ def test_blockwise_samples_follow_fairseqs_distribution(tiny, request_):
         assert math.isclose(float(h[0]["score"]), sum(scores) / len(scores), rel_tol=1e-5, abs_tol=1e-5)
 
 
-@pytest.mark.parametrize("request_", [REQUESTS["plain"], REQUESTS["top-p 0.8"]], ids=["plain", "top-p 0.8"])
-def test_the_enumeration_is_fairseqs_sampling_distribution(tiny, request_):
-    sampling, options = request_
+@pytest.mark.parametrize("name", ["plain", "top-p 0.8", "4 tokens"])
+def test_the_enumeration_is_fairseqs_sampling_distribution(tiny, name):
+    sampling, options = REQUESTS[name]
     task, model, sources = tiny
     torch.manual_seed(0)
-    generator = SequenceGenerator([model], task.target_dictionary, beam_size=1, max_len_b=MAX_LEN_B,
-                                  search_strategy=Sampling(task.target_dictionary, **sampling), **options)
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=1,
+                                  search_strategy=Sampling(task.target_dictionary, **sampling),
+                                  **{"max_len_b": MAX_LEN_B, **options})
     hypos = generator.generate([model], copies(sources, SAMPLES))
     assert g_test(hypos, exact_tables(tiny, sampling, options), lambda i: i % SOURCES) > 1e-3
 
