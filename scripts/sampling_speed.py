@@ -67,6 +67,7 @@ def measure(model, task, samples, temperature, rule, repeats, seed, timing):
         times = {"fairseq": [], "blockwise": []}
         for _ in range(repeats):
             for name, generator in (("fairseq", fairseq_generator), ("blockwise", blockwise)):
+                torch.manual_seed(seed)  # every timed run samples what the counted runs sampled
                 times[name].append(decode(generator, model, samples)[1])
         row["fairseq_s"], row["blockwise_s"] = (statistics.median(times[n]) for n in ("fairseq", "blockwise"))
         row["speedup"] = row["fairseq_s"] / row["blockwise_s"]
