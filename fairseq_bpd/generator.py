@@ -37,12 +37,20 @@ def verify(lprobs, block, score, topk, tree):
     b, n, V = lprobs.shape
     flat = tree.parents[1:] * V + block[:, 1:]  # b x n-1: a candidate in its parent's row
     proposal_lprobs = lprobs.reshape(b, n * V).gather(1, flat)  # b x n-1
-    running = lprobs.new_empty(b, n, dtype=torch.promote_types(score.dtype, lprobs.dtype))
+    running = running_scores(score, proposal_lprobs, tree)
+    values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=max(2, topk), dim=2)
+    return candidates, values, running, proposal_lprobs
+
+
+def running_scores(score, proposal_lprobs, tree):
+    """The running score before each node's output: b x n, from score b and each
+    candidate's log-prob after its parent, proposal_lprobs b x n-1."""
+    running = proposal_lprobs.new_empty(score.size(0), proposal_lprobs.size(1) + 1,
+                                        dtype=torch.promote_types(score.dtype, proposal_lprobs.dtype))
     running[:, 0] = score
     for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
         running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
-    values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=max(2, topk), dim=2)
-    return candidates, values, running, proposal_lprobs
+    return running
 
 
 def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, tree):
@@ -300,20 +308,12 @@ class BlockwiseGenerator(nn.Module):
             batch.invocations += 1
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree, src_lengths[batch.sentence])
 
-            # 2. Verify the candidates with head 1, 3. accept the deepest agreeing path.
-            candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk, tree)
+            # 2.-4. Verify the candidates with head 1, accept the deepest agreeing path, commit it.
             limit = max_len + 1 - batch.length  # no output past step max_len
-            if self.distance > 0:  # a chain (tree refused): node j lies at depth j
-                kept = accept_within_distance(candidates, block, proposal_lprobs, limit, self.numbers, self.distance)
-                node = kept - 1
-            else:
-                node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
-            path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
-
-            # 4. Commit the path and head 1's choice after it.
-            outputs, output_scores, added, finished = commit(
-                *along(path, block, candidates, values, running), kept, self.eos
+            node, kept, outputs, output_scores, added, finished = self.verify_block(
+                lprobs, block, self.score(batch), limit, tree
             )
+            path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
@@ -337,6 +337,24 @@ class BlockwiseGenerator(nn.Module):
 
             # 7. The heads at the last accepted position propose the next block.
             proposals = self.propose(last, batch.sentence, batch.tokens, batch.length)
+
+    def verify_block(self, lprobs, block, score, limit, tree):
+        """Steps 2-4 on head 1's lprobs b x n x V over `block` b x n laid out as `tree`.
+
+        score: b, the running score so far; limit: b, the most outputs each sentence may add.
+        Returns the accepted node b, the outputs it keeps b (its depth + 1), then commit's
+        outputs b x D+1, output_scores b x D+1, added b and finished b, along its path.
+        """
+        # 2. Verify the candidates with head 1, 3. accept the deepest agreeing path.
+        candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk, tree)
+        if self.distance > 0:  # a chain (tree refused): node j lies at depth j
+            kept = accept_within_distance(candidates, block, proposal_lprobs, limit, self.numbers, self.distance)
+            node = kept - 1
+        else:
+            node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
+        # 4. Commit the path and head 1's choice after it.
+        path = tree.paths[node]
+        return (node, kept, *commit(*along(path, block, candidates, values, running), kept, self.eos))
 
     def max_length(self, src_tokens, src_lengths):
         """The longest output allowed, EOS excluded: an int (fairseq's rule)."""

@@ -88,14 +88,20 @@ class ProposalHeads(nn.Module):
 
         features: b x C, the decoder output at the last accepted position. vocab: propose
         among the first N dictionary entries (0: all). Returns tokens and their
-        log-probs (over that vocabulary), both b x count-1 x topn. Padding is never
-        proposed: in a block it would read as padding.
+        log-probs (over that vocabulary), both b x count-1 x topn. Padding is never proposed.
         """
         if count <= 1:
             empty = features.new_empty(features.size(0), 0, topn)
             return empty.long(), empty
+        lprobs, tokens = self.logits(features, count, vocab).log_softmax(dim=-1).topk(topn, dim=-1)
+        return tokens, lprobs
+
+    def logits(self, features, count, vocab=0):
+        """Heads 2..count after one position: features b x C -> logits b x count-1 x N.
+
+        N is `vocab` (0: the dictionary). Padding gets -inf: in a block it would read as padding.
+        """
         heads = self.block_features(features, count)[:, 1:]  # b x count-1 x C
         logits = self.decoder.project(heads, vocab)  # b x count-1 x N
         logits[..., self.decoder.padding_idx] = -math.inf
-        lprobs, tokens = logits.log_softmax(dim=-1).topk(topn, dim=-1)
-        return tokens, lprobs
+        return logits

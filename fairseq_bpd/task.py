@@ -14,6 +14,7 @@ from .errors import BlockwiseRequestError
 from .generator import BlockwiseGenerator, BlockwiseStats, symbol_numbers
 from .model import BlockwiseDecoder, shortlist_problem
 from .tree import MAX_TREE, load_rates
+from .sampling import SpeculativeSampler, sampling_problem
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,8 @@ class TranslationBlockwiseConfig(TranslationConfig):
     blockwise: bool = field(
         default=False,
         metadata={
-            "help": "decode with blockwise parallel decoding: exactly --beam 1 (see --blockwise-topk). "
+            "help": "decode with blockwise parallel decoding: exactly --beam 1 (see --blockwise-topk; "
+            "with --sampling: speculative sampling, exactly fairseq's sampling distribution). "
             "A --beam given is a request, fairseq's default 5 included: only --beam 1 is accepted. "
             "Not given, this task decodes greedily under --blockwise and with beam 5 without it"
         },
@@ -168,7 +170,11 @@ class TranslationBlockwiseTask(TranslationTask):
             self.blockwise_stats = BlockwiseStats()
             atexit.register(log_at_exit, self.blockwise_stats)
         decoder = models[0].decoder
-        return BlockwiseGenerator(
+        sampling = {}
+        if getattr(args, "sampling", False):
+            sampling = {"sampling_topk": getattr(args, "sampling_topk", -1),
+                        "sampling_topp": getattr(args, "sampling_topp", -1.0)}
+        return (SpeculativeSampler if sampling else BlockwiseGenerator)(
             models[0],
             self.target_dictionary,
             block_size=self.cfg.block_size or decoder.block_size,
@@ -187,6 +193,7 @@ class TranslationBlockwiseTask(TranslationTask):
             match_source_len=getattr(args, "match_source_len", False),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
             stats=self.blockwise_stats,
+            **sampling,
             **self.tree_request(),
         )
 
@@ -220,9 +227,9 @@ class TranslationBlockwiseTask(TranslationTask):
         for name in REFUSED:
             if given(name):
                 refuse(REFUSED[name])
-        if given("sampling_topk") or given("sampling_topp"):
-            flag = "--sampling-topk" if given("sampling_topk") else "--sampling-topp"
-            refuse(f"{flag} needs --sampling (fairseq refuses it alone), which blockwise decoding cannot do")
+        problem = sampling_problem(args, self.cfg)  # --sampling: speculative sampling (sampling.py)
+        if problem:
+            refuse(problem)
         if getattr(args, "temperature", 1.0) <= 0:
             refuse(f"--temperature must be greater than 0 (got {args.temperature})")
         if (extra_gen_cls_kwargs or {}).get("lm_model") is not None:  # fairseq-generate's loaded --lm-path
@@ -286,7 +293,6 @@ GENERATION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationC
 # GenerationConfig fields whose non-default value blockwise decoding refuses: each
 # changes fairseq's search (or reads what greedy verification cannot reproduce).
 REFUSED = {
-    "sampling": "cannot be combined with --sampling",
     "prefix_size": "cannot be combined with --prefix-size",
     "constraints": "cannot be combined with --constraints",
     "score_reference": "cannot be combined with --score-reference, which decodes nothing; drop --blockwise",

@@ -14,13 +14,16 @@ from conftest import build, random_sample, write_dicts
 from test_generator import Oracle, assert_same, blockwise, greedy
 
 from fairseq_bpd.errors import BlockwiseRequestError
+from fairseq_bpd.sampling import SpeculativeSampler
 from fairseq_bpd.task import BEAM_NOT_GIVEN
 
 FIELDS = [f.name for f in dataclasses.fields(GenerationConfig) if not f.name.startswith("_")]
 HONOURED = None
+SAMPLED = "speculative sampling"  # its distribution is fairseq's: tests/test_sampling.py
 
 # Each GenerationConfig field: values other than its default, each HONOURED (tokens and
-# scores identical to fairseq's --beam 1) or refused with a message naming the flag.
+# scores identical to fairseq's --beam 1), SAMPLED (fairseq's sampling distribution) or
+# refused with a message naming the flag.
 SWEEP = {
     "beam": [(1, HONOURED), (BEAM_NOT_GIVEN, HONOURED), (4, "--beam 4 was given"),
              (5, "--beam 5 was given")],  # 5: fairseq's default, but given
@@ -34,9 +37,9 @@ SWEEP = {
     "unkpen": [(-3.0, HONOURED)],
     "no_repeat_ngram_size": [(2, HONOURED)],
     "temperature": [(0.7, HONOURED), (0.0, "--temperature must be greater than 0")],
-    "sampling": [(True, "--sampling")],
-    "sampling_topk": [(5, "--sampling-topk needs --sampling")],  # fairseq refuses it alone
-    "sampling_topp": [(0.5, "--sampling-topp needs --sampling")],
+    "sampling": [(True, SAMPLED)],
+    "sampling_topk": [(5, "--sampling-topk requires --sampling")],  # fairseq refuses it alone
+    "sampling_topp": [(0.5, "--sampling-topp requires --sampling")],
     "diverse_beam_groups": [(2, "--diverse-beam-groups")],
     "diversity_rate": [(-0.5, "--diversity-rate"), (0.0, "--diversity-rate"), (0.5, "--diversity-rate")],
     "prefix_size": [(1, "--prefix-size")],
@@ -100,6 +103,9 @@ def seeded(tmp_path_factory):
 def test_every_generation_field_is_honoured_or_refused(seeded, name, value, refusal):
     task, model, sample = seeded
     args = generation_args(**{name: value})
+    if refusal is SAMPLED:
+        assert isinstance(task.build_generator([model], args), SpeculativeSampler)
+        return
     if refusal is not HONOURED:
         with pytest.raises(BlockwiseRequestError, match=f"^--blockwise: .*{refusal}"):
             task.build_generator([model], args)

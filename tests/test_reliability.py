@@ -97,7 +97,14 @@ BAD_REQUESTS = {
     "--block-size 4": (["--block-size", 4], "--block-size must be between 1 and the checkpoint's 3 heads"),
     "--beam 4": (["--beam", 4], "--beam 4 was given"),
     "--beam 5": (["--beam", 5], "--beam 5 was given"),  # fairseq's default, but asked for
-    "--sampling": (["--sampling", "--beam", 1], "--sampling"),  # --beam 1: fairseq's --nbest check first
+    # --sampling needs --beam 1: fairseq checks --nbest == --beam first.
+    "--sampling --blockwise-topk 2": (["--sampling", "--beam", 1, "--blockwise-topk", 2],
+                                      "--blockwise-topk must be 1 with --sampling"),
+    "--sampling --blockwise-min-block 2": (["--sampling", "--beam", 1, "--blockwise-min-block", 2],
+                                           "--blockwise-min-block must be 1 with --sampling"),
+    "--sampling-topp 1.5": (["--sampling", "--beam", 1, "--sampling-topp", 1.5], "--sampling-topp must be in \\(0, 1\\]"),
+    "--sampling-topk without --sampling": (["--sampling-topk", 5], "--sampling-topk requires --sampling"),
+    "--sampling-topp without --sampling": (["--sampling-topp", 0.9], "--sampling-topp requires --sampling"),
     "--prefix-size": (["--prefix-size", 1], "--prefix-size"),
     "--nbest 2": (["--nbest", 2], "--nbest must be 1"),
     "--score-reference": (["--score-reference"], "--score-reference"),

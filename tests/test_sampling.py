@@ -1,0 +1,255 @@
+"""--blockwise --sampling draws sentences from exactly fairseq's --sampling --beam 1 distribution.
+
+A tiny model with 8 dictionary entries and outputs of at most 3 tokens (EOS included):
+every output's probability is enumerated from fairseq's model forward in float64, and a
+G test compares 20,000 samples with it. The same test passes fairseq's own sampling
+(the enumeration is fairseq's distribution) and rejects deliberately wrong acceptance
+rules (the test has power).
+"""
+import math
+from collections import Counter
+
+import pytest
+import torch
+from fairseq.search import Sampling
+from fairseq.sequence_generator import SequenceGenerator
+from scipy.stats import chi2
+
+from conftest import build, random_sample, write_dicts
+from cli_support import hypotheses, trained
+
+from fairseq_bpd.errors import BlockwiseRequestError
+from fairseq_bpd.sampling import SpeculativeSampler, residual, sampling_probs
+
+MAX_LEN_B = 2  # outputs of at most 3 tokens, EOS included
+SAMPLES = 20_000
+SOURCES = 2  # the batch alternates two sources: per-sentence acceptance, two distributions
+# (name, sampling options, other generation options)
+REQUESTS = {
+    "plain": ({}, {}),
+    "temperature 0.7": ({}, {"temperature": 0.7}),
+    "top-k 3": ({"sampling_topk": 3}, {}),
+    "top-p 0.8": ({"sampling_topp": 0.8}, {}),
+    "unk penalty, min len 2": ({}, {"unk_penalty": 1.0, "min_len": 2}),
+    # Up to 4 tokens: blocks of 3 outputs, a rejection after an accepted proposal.
+    "4 tokens": ({}, {"max_len_b": 3}),
+    "4 tokens, top-k 4": ({"sampling_topk": 4}, {"max_len_b": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    data = write_dicts(str(tmp_path_factory.mktemp("data")), vocab=4)
+    task, model, _ = build(data, "--block-size", "4", seed=1)
+    sources = random_sample(task, SOURCES, seed=0)
+    return task, model, sources
+
+
+def copies(sources, n):
+    """A batch of n rows cycling through the source sentences."""
+    rows = torch.arange(n) % sources["net_input"]["src_tokens"].size(0)
+    net_input = {key: value[rows] for key, value in sources["net_input"].items()}
+    return {"id": torch.arange(n), "net_input": net_input}
+
+
+def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=0.0, min_len=1,
+                      max_len_b=MAX_LEN_B):
+    """fairseq's constrained log-probs of the next output after `prefix` (float64): V."""
+    d = task.target_dictionary
+    src = source[source.ne(d.pad())][None]
+    encoder_out = model.encoder(src, src_lengths=torch.tensor([src.size(1)]))
+    prev = torch.tensor([[d.eos(), *prefix]])
+    logits = model.decoder(prev, encoder_out=encoder_out)[0][0, -1].double()
+    lprobs = (logits / temperature).log_softmax(dim=-1)
+    lprobs[d.pad()] = -math.inf
+    lprobs[d.unk()] -= unk_penalty
+    if len(prefix) >= max_len_b:
+        lprobs[torch.arange(len(d)) != d.eos()] = -math.inf
+    if len(prefix) < min_len:
+        lprobs[d.eos()] = -math.inf
+    return lprobs
+
+
+def target(lprobs, dictionary, sampling_topk=-1, sampling_topp=-1.0):
+    """The distribution fairseq's Sampling draws from, written out again (top-p: its own code)."""
+    if sampling_topp > 0:
+        search = Sampling(dictionary, sampling_topp=sampling_topp)
+        weights, indices = search._sample_topp(lprobs.clone()[None, None])
+        weights = torch.zeros_like(lprobs).scatter_(0, indices[0, 0], weights[0, 0])
+    elif sampling_topk > 0:
+        order = lprobs.argsort(descending=True)
+        weights = torch.zeros_like(lprobs)
+        weights[order[:sampling_topk]] = lprobs[order[:sampling_topk]].exp()
+    else:
+        weights = lprobs.exp()
+    return weights / weights.sum()
+
+
+@torch.no_grad()
+def enumerate_outputs(model, task, source, sampling, options):
+    """{output tokens (EOS last): (probability, fairseq's positional scores)} for one source."""
+    eos, found = task.target_dictionary.eos(), {}
+
+    def extend(prefix, probability, scores):
+        lprobs = next_token_lprobs(model, task, source, prefix, **options)
+        p = target(lprobs, task.target_dictionary, **sampling)
+        for token in p.nonzero()[:, 0].tolist():
+            entry = (probability * float(p[token]), scores + [float(lprobs[token])])
+            if token == eos:
+                found[(*prefix, token)] = entry
+            else:
+                extend([*prefix, token], *entry)
+
+    extend([], 1.0, [])
+    return found
+
+
+def g_test(hypos, exact, sentence_source):
+    """The G test's p-value of the outputs in `hypos` against `exact` (per source; cells
+    expecting fewer than 5 merged); 0 if any output is impossible."""
+    statistic, df = 0.0, 0
+    for s, table in enumerate(exact):
+        counts = Counter(tuple(h[0]["tokens"].tolist()) for i, h in enumerate(hypos) if sentence_source(i) == s)
+        if any(output not in table for output in counts):
+            return 0.0
+        n = sum(counts.values())
+        expected = {output: n * probability for output, (probability, _) in table.items()}
+        cells = [(counts[o], e) for o, e in expected.items() if e >= 5]
+        rest = [(counts[o], e) for o, e in expected.items() if e < 5]
+        if rest:
+            cells.append((sum(c for c, _ in rest), sum(e for _, e in rest)))
+        statistic += 2 * sum(c * math.log(c / e) for c, e in cells if c > 0)
+        df += len(cells) - 1
+    return float(chi2.sf(statistic, df))
+
+
+def sample(tiny, sampling, options, bsz=SAMPLES, calls=1, seed=0, generator_class=SpeculativeSampler, **kwargs):
+    """`calls` batches of bsz blockwise samples at a fixed seed; the hypotheses and the sampler."""
+    task, model, sources = tiny
+    generator = torch.Generator().manual_seed(seed)
+    sampler = generator_class(model, task.target_dictionary, block_size=4, generator=generator,
+                              **sampling, **{"max_len_b": MAX_LEN_B, **options}, **kwargs)
+    batch = copies(sources, bsz)
+    return [h for _ in range(calls) for h in sampler.generate([model], batch)], sampler
+
+
+def exact_tables(tiny, sampling, options):
+    task, model, sources = tiny
+    return [enumerate_outputs(model, task, src, sampling, options) for src in sources["net_input"]["src_tokens"]]
+
+
+@pytest.mark.parametrize("request_", REQUESTS.values(), ids=list(REQUESTS))
+def test_blockwise_samples_follow_fairseqs_distribution(tiny, request_):
+    sampling, options = request_
+    exact = exact_tables(tiny, sampling, options)
+    hypos, sampler = sample(tiny, sampling, options)
+    assert g_test(hypos, exact, lambda i: i % SOURCES) > 1e-3
+    # Proposals were accepted (speculation happened), and fewer invocations than tokens.
+    assert sampler.stats.mean_accepted_block() > 1.05
+    assert sampler.stats.invocations < sampler.stats.tokens
+    # Scores as fairseq's Sampling records them: the constrained log-prob of each drawn token.
+    for i, h in enumerate(hypos[:200]):
+        _, scores = exact[i % SOURCES][tuple(h[0]["tokens"].tolist())]
+        assert torch.allclose(h[0]["positional_scores"].double(), torch.tensor(scores, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+        assert math.isclose(float(h[0]["score"]), sum(scores) / len(scores), rel_tol=1e-5, abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["plain", "top-p 0.8", "4 tokens"])
+def test_the_enumeration_is_fairseqs_sampling_distribution(tiny, name):
+    sampling, options = REQUESTS[name]
+    task, model, sources = tiny
+    torch.manual_seed(0)
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=1,
+                                  search_strategy=Sampling(task.target_dictionary, **sampling),
+                                  **{"max_len_b": MAX_LEN_B, **options})
+    hypos = generator.generate([model], copies(sources, SAMPLES))
+    assert g_test(hypos, exact_tables(tiny, sampling, options), lambda i: i % SOURCES) > 1e-3
+
+
+class AcceptsEverything(SpeculativeSampler):
+    def accept(self, p, q, proposals):
+        return torch.ones_like(proposals, dtype=torch.bool)
+
+
+class DrawsFromPAfterARejection(SpeculativeSampler):
+    def correction(self, p, q):
+        return p
+
+
+@pytest.mark.parametrize("wrong", [AcceptsEverything, DrawsFromPAfterARejection])
+@pytest.mark.parametrize("name", ["plain", "4 tokens, top-k 4"])
+def test_the_test_rejects_wrong_rules(tiny, name, wrong):
+    sampling, options = REQUESTS[name]
+    hypos, _ = sample(tiny, sampling, options, generator_class=wrong)
+    assert g_test(hypos, exact_tables(tiny, sampling, options), lambda i: i % SOURCES) < 1e-6
+
+
+@pytest.mark.parametrize("bsz,calls", [(1, 1500), (64, 313)])
+def test_batch_size_keeps_the_distribution(tiny, bsz, calls):
+    # Batch 1 decodes source 0 only; batch 64 alternates both sources.
+    hypos, _ = sample(tiny, {}, {}, bsz=bsz, calls=calls)
+    assert g_test(hypos, exact_tables(tiny, {}, {}), lambda i: i % bsz % SOURCES) > 1e-3
+
+
+def test_shortlist_and_confidence_cut_keep_the_distribution(tiny):
+    hypos, sampler = sample(tiny, {"sampling_topk": 5}, {}, proposal_vocab=6, confidence=0.05)
+    assert g_test(hypos, exact_tables(tiny, {"sampling_topk": 5}, {}), lambda i: i % SOURCES) > 1e-3
+
+
+def test_a_seed_reproduces_a_run(tiny):
+    def outputs(seed):
+        return [h[0]["tokens"].tolist() for h in sample(tiny, {}, {}, bsz=200, seed=seed)[0]]
+
+    assert outputs(3) == outputs(3)
+    assert outputs(3) != outputs(4)
+    # Without a generator: torch's global one, which fairseq-generate seeds with --seed.
+    task, model, sources = tiny
+    sampler = SpeculativeSampler(model, task.target_dictionary, block_size=4, max_len_b=MAX_LEN_B)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append([h[0]["tokens"].tolist() for h in sampler.generate([model], copies(sources, 200))])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("rule", [{"topk": 2}, {"min_block": 2}, {"tree": 4}])
+def test_the_sampler_refuses_rules_that_change_the_distribution(tiny, rule):
+    task, model, _ = tiny
+    with pytest.raises(BlockwiseRequestError, match="--sampling: .*lossless"):
+        SpeculativeSampler(model, task.target_dictionary, block_size=4, **rule)
+
+
+def test_residual_is_the_positive_part_of_p_minus_q():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    q = torch.tensor([[0.2, 0.5, 0.1, 0.2]])
+    assert torch.equal(residual(p, q), torch.tensor([[0.3, 0.0, 0.1, 0.0]]))
+    assert torch.equal(residual(p, p), p)  # nothing is rejected then; p stands in
+
+
+def test_sampling_probs_is_fairseqs_support(tiny):
+    d = tiny[0].target_dictionary
+    lprobs = torch.tensor([0.5, 0.25, 0.15, 0.1]).log()[None, None]
+    two = torch.tensor([[[0.5, 0.25, 0, 0]]])
+    assert torch.allclose(sampling_probs(lprobs, Sampling(d, sampling_topk=2)), two)
+    assert torch.allclose(sampling_probs(lprobs, Sampling(d, sampling_topp=0.6)), two)
+    assert torch.allclose(sampling_probs(lprobs, Sampling(d, sampling_topp=0.45)), torch.tensor([[[0.5, 0, 0, 0]]]))
+    assert torch.allclose(sampling_probs(lprobs, Sampling(d)), lprobs.exp())
+
+
+@pytest.fixture(scope="module")
+def trained_tiny(tmp_path_factory):
+    return trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))
+
+
+def test_generate_samples_through_the_cli(trained_tiny):
+    from test_reliability import generate
+
+    def run(seed, *extra):
+        return generate(trained_tiny, "--blockwise", "--sampling", "--beam", 1, "--seed", seed,
+                        "--batch-size", 8, *extra)
+
+    first, again, other = run(1, "--sampling-topk", 5), run(1, "--sampling-topk", 5), run(2, "--sampling-topk", 5)
+    assert len(hypotheses(first)) == 20
+    assert hypotheses(first) == hypotheses(again)
+    assert hypotheses(first) != hypotheses(other)
+    assert len(hypotheses(run(1, "--sampling-topp", 0.9, "--temperature", 0.7))) == 20
