@@ -1,4 +1,5 @@
 """translation_blockwise: fairseq's translation task plus blockwise parallel decoding."""
+import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -69,10 +70,28 @@ class TranslationBlockwiseConfig(TranslationConfig):
     )
 
 
-# translation_blockwise's default --beam: "not given". fairseq's own default, 5, cannot
-# be told from an explicit --beam 5, which --blockwise must refuse. Not given, decoding
-# is greedy under --blockwise and fairseq's beam 5 without it.
+# --beam under --blockwise when not typed: "not given". fairseq's default, 5, cannot be
+# told from an explicit --beam 5, which --blockwise must refuse. Without --blockwise the
+# default stays 5: fairseq-generate and -interactive check it (--sampling needs --nbest
+# equal to --beam) before any task code runs.
 BEAM_NOT_GIVEN = 0
+
+
+class _TypedBeam(argparse._StoreAction):
+    """fairseq's --beam, noting in the namespace that it was typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace.beam_typed = True
+
+
+class _Blockwise(argparse._StoreTrueAction):
+    """--blockwise: a --beam not typed, before or after it, becomes BEAM_NOT_GIVEN."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        if not getattr(namespace, "beam_typed", False):
+            namespace.beam = BEAM_NOT_GIVEN
 
 
 @register_task("translation_blockwise", dataclass=TranslationBlockwiseConfig)
@@ -90,8 +109,10 @@ class TranslationBlockwiseTask(TranslationTask):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
-        if parser.get_default("beam") is not None:  # a generation parser, not fairseq-train's
-            parser.set_defaults(beam=BEAM_NOT_GIVEN)
+        actions = {action.dest: action for action in parser._actions}
+        if "beam" in actions:  # a generation parser, not fairseq-train's
+            actions["beam"].__class__ = _TypedBeam  # the parser made them: only their calls change
+            actions["blockwise"].__class__ = _Blockwise
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
         # fairseq drops a last batch whose size is not a multiple of this flag.
@@ -118,8 +139,6 @@ class TranslationBlockwiseTask(TranslationTask):
         self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None
     ):
         if not self.cfg.blockwise:
-            if getattr(args, "beam", None) == BEAM_NOT_GIVEN:
-                args.beam = GenerationConfig.beam
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )

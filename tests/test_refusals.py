@@ -5,12 +5,13 @@ from argparse import Namespace
 
 import pytest
 import torch
+from fairseq import options
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks.translation import TranslationTask
 
-from conftest import build, random_sample, write_dicts
+from conftest import PLUGIN, build, random_sample, write_dicts
 from test_generator import Oracle, assert_same, blockwise, greedy
 
 from fairseq_bpd.errors import BlockwiseRequestError
@@ -176,10 +177,21 @@ def test_a_beam_is_a_request_only_when_given(seeded):
     assert args.beam == 1  # what fairseq-generate prints
 
 
-def test_without_blockwise_a_beam_not_given_is_fairseqs_5(data_dir):
-    task, model, _ = build(data_dir, "--block-size", "3")
-    args = generation_args(beam=BEAM_NOT_GIVEN)
-    assert task.build_generator([model], args).beam_size == 5 == args.beam
+def parse_generation(data_dir, *flags, parser=options.get_generation_parser):
+    return options.parse_args_and_arch(parser(), [data_dir, "--user-dir", PLUGIN, "--task", "translation_blockwise", *flags])
+
+
+@pytest.mark.parametrize("parser", [options.get_generation_parser, options.get_interactive_generation_parser])
+def test_only_blockwise_changes_the_parsed_beam(data_dir, parser):
+    """Without --blockwise, fairseq's 5, as stock: fairseq-generate's and -interactive's own checks
+    (--sampling needs --nbest equal to --beam) read it before any task code runs."""
+    assert parse_generation(data_dir, parser=parser).beam == GenerationConfig.beam
+    assert parse_generation(data_dir, "--sampling", "--nbest", "5", parser=parser).beam == 5
+    assert parse_generation(data_dir, "--beam", "0", parser=parser).beam == 0  # as typed, as stock
+    assert parse_generation(data_dir, "--blockwise", parser=parser).beam == BEAM_NOT_GIVEN
+    for typed in (["--beam", "5", "--blockwise"], ["--blockwise", "--beam", "5"], ["--beam=5", "--blockwise"]):
+        assert parse_generation(data_dir, *typed, parser=parser).beam == 5, typed
+    assert parse_generation(data_dir, "--beam", "1", "--blockwise", parser=parser).beam == 1
 
 
 def test_blockwise_topk_must_stay_below_the_vocabulary(seeded):

@@ -178,6 +178,19 @@ def test_a_beam_not_given_is_fairseqs_5_without_blockwise(tiny):
     assert "Generate test with beam=5:" in output and len(hypotheses(output)) == 20
 
 
+def test_sampling_without_a_beam_is_stocks_without_blockwise(tiny):
+    """fairseq checks --nbest against --beam before any task code: the task leaves its 5 alone."""
+    sampling = ["--gen-subset", SIZES[5], "--sampling", "--nbest", 5, "--batch-size", 8]
+    expected = cli_main("generate", tiny.data, "--user-dir", PLUGIN, "--task", "translation", "--path",
+                        tiny.checkpoint, "--cpu", "--num-workers", 0, "--required-batch-size-multiple", 1,
+                        *sampling)
+    output = generate(tiny, *sampling)
+    assert output.count("\nH-") == 25 and "Generate test1 with beam=5:" in output
+    assert [line for line in output.splitlines() if line[:2] in ("H-", "P-")] == [
+        line for line in expected.splitlines() if line[:2] in ("H-", "P-")
+    ]
+
+
 def test_checkpoint_of_another_dictionary_fails_at_load(tiny, tmp_path):
     for lang in ("de", "en"):  # interactive needs only the dictionaries
         with open(f"{tiny.data}/dict.{lang}.txt") as f:
