@@ -125,6 +125,15 @@ class TranslationBlockwiseTask(TranslationTask):
         indices, ignored = dataset.filter_indices_by_size(indices, max_positions)
         for index in ignored:
             logger.warning(skipped_input(dataset, index, max_positions, self.source_dictionary))
+        split = next((name for name, loaded in self.datasets.items() if loaded is dataset), None)
+        if len(indices) == 0 and len(ignored) > 0 and split is not None:
+            # A file with nothing left: fairseq's summaries would divide by zero. (An
+            # interactive buffer of long lines is not one: the lines after it still come.)
+            raise BlockwiseRequestError(
+                f"--max-source-positions/--max-target-positions: every one of the {len(ignored)} sentences of "
+                f"'{split}' is too long for the model (the warnings above name them); --truncate-source cuts "
+                f"long sources instead"
+            )
         return indices
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):

@@ -236,6 +236,16 @@ def test_generate_skips_overlong_sentences_naming_them(tiny, caplog):
         )
 
 
+def test_a_subset_with_every_input_too_long_is_refused_on_one_line(tiny):
+    """Nothing left to translate or score: fairseq's summaries would divide by zero."""
+    common = ["--user-dir", PLUGIN, "--task", "translation_blockwise", "--path", tiny.checkpoint, "--cpu",
+              "--max-source-positions", 2]
+    message = ("error: --max-source-positions/--max-target-positions: every one of the 5 sentences of 'test1' "
+               "is too long for the model (the warnings above name them); --truncate-source cuts long sources instead")
+    assert refused("fairseq-generate", tiny.data, *common, "--blockwise", "--gen-subset", SIZES[5]) == message
+    assert refused("fairseq-validate", tiny.data, *common, "--valid-subset", SIZES[5], "--batch-size", 4) == message
+
+
 def test_the_hub_keeps_fairseqs_error_for_an_overlong_input(tiny):
     """It returns one output per input: skipping would shift the others."""
     from fairseq_bpd.model import BlockwiseTransformerModel
