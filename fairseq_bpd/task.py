@@ -102,6 +102,10 @@ class TranslationBlockwiseTask(TranslationTask):
     """
 
     cfg: TranslationBlockwiseConfig
+    # The options this task adds to translation's: the hub refuses them per call.
+    decoding_options = {f.name for f in dataclasses.fields(TranslationBlockwiseConfig)} - {
+        f.name for f in dataclasses.fields(TranslationConfig)
+    }
     # fairseq-generate and -interactive skip a too-long input, naming it, instead of
     # ending the run; the hub turns this off (it returns one output per input).
     skip_invalid_inputs = True

@@ -278,3 +278,27 @@ def test_match_source_len_through_the_hub(tiny):
     greedy = load().translate(sentences, beam=1, match_source_len=True)
     assert [len(t.split()) for t in greedy] == [5, 3, 7]  # the source's words and EOS
     assert load(task="translation_blockwise", blockwise=True).translate(sentences, match_source_len=True) == greedy
+
+
+def test_the_hubs_task_options_are_set_when_loading_and_refused_per_call(tiny):
+    """--block-size names the heads in the model's options and the block in the task's: loading
+    sets the task's. translate()'s keyword arguments reach fairseq's generation options only."""
+    from fairseq_bpd.model import BlockwiseTransformerModel
+
+    def load(**overrides):
+        return BlockwiseTransformerModel.from_pretrained(
+            tiny.save_dir, checkpoint_file="checkpoint_last.pt", data_name_or_path=tiny.data,
+            user_dir=PLUGIN, task="translation_blockwise", **overrides,
+        )
+
+    sentences = ["s1 s2 s3 s4", "s5 s6", "s7 s8 s9 s10 s11 s12"]
+    greedy = load().translate(sentences, beam=1)
+    hub = load(blockwise=True, block_size=2)
+    assert hub.models[0].decoder.block_size == 3 and hub.task.build_generator(hub.models, Namespace()).block_size == 2
+    assert hub.translate(sentences) == greedy
+    for option in ({"block_size": 2}, {"blockwise_topk": 2}, {"blockwise": True}):
+        name = next(iter(option))
+        with pytest.raises(BlockwiseRequestError, match=f"^{name} is an option of the task"):
+            hub.translate(sentences, **option)
+    with pytest.raises(BlockwiseRequestError, match="--block-size must be between 1 and the checkpoint's 3"):
+        load(blockwise=True, block_size=4).translate(sentences)
