@@ -1,6 +1,9 @@
 """Every generation option fairseq defines keeps its meaning under --blockwise, or is refused by name."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from argparse import Namespace
 
 import pytest
@@ -226,3 +229,28 @@ def test_generator_refusals_are_of_the_one_class(seeded):
     with pytest.raises(BlockwiseRequestError, match="^--blockwise: cannot decode with a prefix"):
         generator.generate([model], sample, prefix_tokens=torch.ones(5, 1, dtype=torch.long))
     assert issubclass(BlockwiseRequestError, ValueError)  # callers catching ValueError keep working
+
+
+PROGRAM = """
+import fairseq_bpd
+from fairseq_bpd.errors import BlockwiseRequestError
+try:
+    {}["checkpoint"]
+except KeyError:
+    raise BlockwiseRequestError("--blockwise: %s")
+"""
+
+
+@pytest.mark.parametrize("while_failing", [False, True])
+def test_only_a_refusal_that_is_the_whole_story_loses_its_traceback(while_failing):
+    """A refusal raised while handling another error shows both, as Python does: the other is news."""
+    program = PROGRAM % "refused" if while_failing else "import fairseq_bpd\nfrom fairseq_bpd.errors import " \
+        "BlockwiseRequestError\nraise BlockwiseRequestError('--blockwise: refused')\n"
+    process = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.path.dirname(PLUGIN)})
+    assert process.returncode == 1
+    if while_failing:
+        assert "KeyError: 'checkpoint'" in process.stderr and process.stderr.rstrip().endswith(
+            "BlockwiseRequestError: --blockwise: refused")
+    else:
+        assert "Traceback" not in process.stderr and process.stderr.splitlines()[-1] == "error: --blockwise: refused"
