@@ -70,13 +70,10 @@ class TranslationBlockwiseConfig(TranslationConfig):
     )
 
 
-# --beam under --blockwise when not typed: "not given". fairseq's default, 5, cannot be
-# told from an explicit --beam 5, which --blockwise must refuse. Without --blockwise the
-# default stays 5: fairseq-generate and -interactive check it (--sampling needs --nbest
-# equal to --beam) before any task code runs.
-BEAM_NOT_GIVEN = 0
-
-
+# fairseq's default --beam, 5, cannot be told from an explicit --beam 5, which --blockwise
+# must refuse. So the parser notes a typed --beam, and under --blockwise a beam not typed
+# is 1, greedy. Without --blockwise the default stays 5: fairseq-generate and -interactive
+# check it (--sampling needs --nbest equal to --beam) before any task code runs.
 class _TypedBeam(argparse._StoreAction):
     """fairseq's --beam, noting in the namespace that it was typed."""
 
@@ -86,12 +83,12 @@ class _TypedBeam(argparse._StoreAction):
 
 
 class _Blockwise(argparse._StoreTrueAction):
-    """--blockwise: a --beam not typed, before or after it, becomes BEAM_NOT_GIVEN."""
+    """--blockwise: a --beam not typed, before or after it, is 1."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
         if not getattr(namespace, "beam_typed", False):
-            namespace.beam = BEAM_NOT_GIVEN
+            namespace.beam = 1
 
 
 @register_task("translation_blockwise", dataclass=TranslationBlockwiseConfig)
@@ -187,8 +184,8 @@ class TranslationBlockwiseTask(TranslationTask):
         def given(name):
             return getattr(args, name, GENERATION_DEFAULTS[name]) != GENERATION_DEFAULTS[name]
 
-        beam = getattr(args, "beam", 1)
-        if beam not in (BEAM_NOT_GIVEN, 1):  # any beam given, fairseq's default 5 included
+        beam = getattr(args, "beam", 1)  # --eval-bleu-args gives only the JSON's keys
+        if beam != 1:  # any beam given, fairseq's default 5 included
             refuse(f"decoding is greedy, but --beam {beam} was given; use --beam 1 or drop --blockwise")
         if getattr(args, "nbest", 1) > 1:
             refuse("gives one hypothesis; --nbest must be 1")

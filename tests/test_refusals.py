@@ -18,7 +18,6 @@ from conftest import PLUGIN, build, random_sample, write_dicts
 from test_generator import Oracle, assert_same, blockwise, greedy
 
 from fairseq_bpd.errors import BlockwiseRequestError
-from fairseq_bpd.task import BEAM_NOT_GIVEN
 
 FIELDS = [f.name for f in dataclasses.fields(GenerationConfig) if not f.name.startswith("_")]
 HONOURED = None
@@ -26,7 +25,7 @@ HONOURED = None
 # Each GenerationConfig field: values other than its default, each HONOURED (tokens and
 # scores identical to fairseq's --beam 1) or refused with a message naming the flag.
 SWEEP = {
-    "beam": [(1, HONOURED), (BEAM_NOT_GIVEN, HONOURED), (4, "--beam 4 was given"),
+    "beam": [(1, HONOURED), (0, "--beam 0 was given"), (4, "--beam 4 was given"),
              (5, "--beam 5 was given")],  # 5: fairseq's default, but given
     "nbest": [(2, "--nbest must be 1")],
     "max_len_a": [(0.5, HONOURED)],
@@ -171,13 +170,12 @@ def test_no_repeat_ngram_blocking_that_bites_gives_greedy_output(seeded):
 def test_a_beam_is_a_request_only_when_given(seeded):
     """--eval-bleu-args hands build_generator a Namespace of the JSON's keys alone."""
     task, model, _ = seeded
-    assert task.build_generator([model], Namespace(**json.loads("{}"))).block_size == 4
+    args = Namespace(**json.loads("{}"))
+    assert task.build_generator([model], args).block_size == 4
+    assert args.beam == 1  # what fairseq-generate prints
     for beam in (5, 2):
         with pytest.raises(BlockwiseRequestError, match=f"--beam {beam} was given"):
             task.build_generator([model], Namespace(**json.loads(f'{{"beam": {beam}}}')))
-    args = generation_args(beam=BEAM_NOT_GIVEN)
-    task.build_generator([model], args)
-    assert args.beam == 1  # what fairseq-generate prints
 
 
 def parse_generation(data_dir, *flags, parser=options.get_generation_parser):
@@ -191,7 +189,7 @@ def test_only_blockwise_changes_the_parsed_beam(data_dir, parser):
     assert parse_generation(data_dir, parser=parser).beam == GenerationConfig.beam
     assert parse_generation(data_dir, "--sampling", "--nbest", "5", parser=parser).beam == 5
     assert parse_generation(data_dir, "--beam", "0", parser=parser).beam == 0  # as typed, as stock
-    assert parse_generation(data_dir, "--blockwise", parser=parser).beam == BEAM_NOT_GIVEN
+    assert parse_generation(data_dir, "--blockwise", parser=parser).beam == 1
     for typed in (["--beam", "5", "--blockwise"], ["--blockwise", "--beam", "5"], ["--beam=5", "--blockwise"]):
         assert parse_generation(data_dir, *typed, parser=parser).beam == 5, typed
     assert parse_generation(data_dir, "--beam", "1", "--blockwise", parser=parser).beam == 1

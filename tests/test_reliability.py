@@ -97,7 +97,7 @@ BAD_REQUESTS = {
     "--block-size 4": (["--block-size", 4], "--block-size must be between 1 and the checkpoint's 3 heads"),
     "--beam 4": (["--beam", 4], "--beam 4 was given"),
     "--beam 5": (["--beam", 5], "--beam 5 was given"),  # fairseq's default, but asked for
-    "--sampling": (["--sampling", "--beam", 1], "--sampling"),  # --beam 1: fairseq's --nbest check first
+    "--sampling": (["--sampling"], "--sampling"),  # passes fairseq's check that --nbest equals --beam
     "--prefix-size": (["--prefix-size", 1], "--prefix-size"),
     "--nbest 2": (["--nbest", 2], "--nbest must be 1"),
     "--score-reference": (["--score-reference"], "--score-reference"),
