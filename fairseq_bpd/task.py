@@ -122,20 +122,21 @@ class TranslationBlockwiseTask(TranslationTask):
 
     def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs=False):
         if ignore_invalid_inputs or not self.skip_invalid_inputs:
-            return super().filter_indices_by_size(indices, dataset, max_positions, ignore_invalid_inputs)
-        indices, ignored = dataset.filter_indices_by_size(indices, max_positions)
-        for index in ignored:
-            logger.warning(skipped_input(dataset, index, max_positions, self.source_dictionary))
+            kept = super().filter_indices_by_size(indices, dataset, max_positions, ignore_invalid_inputs)
+        else:
+            kept, ignored = dataset.filter_indices_by_size(indices, max_positions)
+            for index in ignored:
+                logger.warning(skipped_input(dataset, index, max_positions, self.source_dictionary))
         split = next((name for name, loaded in self.datasets.items() if loaded is dataset), None)
-        if len(indices) == 0 and len(ignored) > 0 and split is not None:
+        if len(kept) == 0 and len(indices) > 0 and split is not None:
             # A file with nothing left: fairseq's summaries would divide by zero. (An
             # interactive buffer of long lines is not one: the lines after it still come.)
             raise BlockwiseRequestError(
-                f"--max-source-positions/--max-target-positions: every one of the {len(ignored)} sentences of "
-                f"'{split}' is too long for the model (the warnings above name them); --truncate-source cuts "
+                f"--max-source-positions/--max-target-positions: every one of the {len(indices)} sentences of "
+                f"'{split}' is too long for the model (see the warnings above); --truncate-source cuts "
                 f"long sources instead"
             )
-        return indices
+        return kept
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
         # fairseq-interactive's lines: --truncate-source cuts them as load_dataset cuts files.

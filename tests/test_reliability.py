@@ -241,8 +241,10 @@ def test_a_subset_with_every_input_too_long_is_refused_on_one_line(tiny):
     common = ["--user-dir", PLUGIN, "--task", "translation_blockwise", "--path", tiny.checkpoint, "--cpu",
               "--max-source-positions", 2]
     message = ("error: --max-source-positions/--max-target-positions: every one of the 5 sentences of 'test1' "
-               "is too long for the model (the warnings above name them); --truncate-source cuts long sources instead")
+               "is too long for the model (see the warnings above); --truncate-source cuts long sources instead")
     assert refused("fairseq-generate", tiny.data, *common, "--blockwise", "--gen-subset", SIZES[5]) == message
+    assert refused("fairseq-generate", tiny.data, *common, "--blockwise", "--gen-subset", SIZES[5],
+                   "--skip-invalid-size-inputs-valid-test") == message  # fairseq's skipping, its warning
     assert refused("fairseq-validate", tiny.data, *common, "--valid-subset", SIZES[5], "--batch-size", 4) == message
 
 
