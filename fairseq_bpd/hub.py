@@ -2,8 +2,6 @@
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.hub_utils import GeneratorHubInterface
 
-from .errors import BlockwiseRequestError
-
 
 class BlockwiseHubInterface(GeneratorHubInterface):
     """GeneratorHubInterface whose translate() and generate() take no beam by default.
@@ -26,11 +24,5 @@ class BlockwiseHubInterface(GeneratorHubInterface):
         return self.sample(sentences, self.default_beam() if beam is None else beam, verbose, **kwargs)
 
     def generate(self, tokenized_sentences, beam=None, *args, **kwargs):
-        # fairseq's hub sets keyword arguments on the generation options, where the task's
-        # own (--block-size, --blockwise-topk, ...) would be ignored without a word.
-        for name in kwargs:
-            if name in getattr(self.task, "decoding_options", ()):
-                raise BlockwiseRequestError(f"{name} is an option of the task, not of one call: "
-                                            f"pass it to from_pretrained(..., {name}=...)")
         beam = self.default_beam() if beam is None else beam
         return super().generate(tokenized_sentences, beam, *args, **kwargs)

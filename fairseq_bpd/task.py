@@ -99,7 +99,8 @@ class TranslationBlockwiseTask(TranslationTask):
     """
 
     cfg: TranslationBlockwiseConfig
-    # The options this task adds to translation's: the hub refuses them per call.
+    # The options this task adds to translation's: build_generator refuses them among the
+    # generation options, where they would be ignored.
     decoding_options = {f.name for f in dataclasses.fields(TranslationBlockwiseConfig)} - {
         f.name for f in dataclasses.fields(TranslationConfig)
     }
@@ -149,6 +150,7 @@ class TranslationBlockwiseTask(TranslationTask):
     def build_generator(
         self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None
     ):
+        self.check_generation_options(args)
         if not self.cfg.blockwise:
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
@@ -175,6 +177,17 @@ class TranslationBlockwiseTask(TranslationTask):
             match_source_len=getattr(args, "match_source_len", False),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
         )
+
+    def check_generation_options(self, args):
+        """Refuse a task option set differently among the generation options (--eval-bleu-args'
+        JSON, the hub's translate() keywords), which fairseq would hand over and forget."""
+        for name in sorted(self.decoding_options):
+            value = getattr(args, name, None)
+            if value is not None and value != getattr(self.cfg, name):
+                raise BlockwiseRequestError(
+                    f"{name} is an option of the task, not of generation (--eval-bleu-args, the hub's "
+                    f"translate()): give it as --{name.replace('_', '-')}, or to from_pretrained()"
+                )
 
     def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
         """Refuse, naming the flag, what blockwise (greedy) decoding cannot honour exactly."""

@@ -178,6 +178,15 @@ def test_a_beam_is_a_request_only_when_given(seeded):
             task.build_generator([model], Namespace(**json.loads(f'{{"beam": {beam}}}')))
 
 
+def test_task_options_in_eval_bleu_args_are_refused(seeded):
+    """fairseq hands --eval-bleu-args' JSON to build_generator as generation options."""
+    task, model, _ = seeded
+    assert task.build_generator([model], Namespace(**json.loads('{"block_size": 4, "blockwise": true}')))
+    for options, name in (('{"blockwise_topk": 2}', "blockwise_topk"), ('{"block_size": 2}', "block_size")):
+        with pytest.raises(BlockwiseRequestError, match=f"^{name} is an option of the task, not of generation"):
+            task.build_generator([model], Namespace(**json.loads(options)))
+
+
 def parse_generation(data_dir, *flags, parser=options.get_generation_parser):
     return options.parse_args_and_arch(parser(), [data_dir, "--user-dir", PLUGIN, "--task", "translation_blockwise", *flags])
 

@@ -284,7 +284,8 @@ def test_match_source_len_through_the_hub(tiny):
 
 def test_the_hubs_task_options_are_set_when_loading_and_refused_per_call(tiny):
     """--block-size names the heads in the model's options and the block in the task's: loading
-    sets the task's. translate()'s keyword arguments reach fairseq's generation options only."""
+    sets the task's. translate()'s keyword arguments reach fairseq's generation options only,
+    where a task option would be ignored."""
     from fairseq_bpd.model import BlockwiseTransformerModel
 
     def load(**overrides):
@@ -298,9 +299,10 @@ def test_the_hubs_task_options_are_set_when_loading_and_refused_per_call(tiny):
     hub = load(blockwise=True, block_size=2)
     assert hub.models[0].decoder.block_size == 3 and hub.task.build_generator(hub.models, Namespace()).block_size == 2
     assert hub.translate(sentences) == greedy
-    for option in ({"block_size": 2}, {"blockwise_topk": 2}, {"blockwise": True}):
+    assert hub.translate(sentences, block_size=2, blockwise=True) == greedy  # the task's own values
+    for hub_, option in ((hub, {"block_size": 3}), (hub, {"blockwise_topk": 2}), (load(), {"blockwise": True})):
         name = next(iter(option))
-        with pytest.raises(BlockwiseRequestError, match=f"^{name} is an option of the task"):
-            hub.translate(sentences, **option)
+        with pytest.raises(BlockwiseRequestError, match=f"^{name} is an option of the task, not of generation"):
+            hub_.translate(sentences, **option)
     with pytest.raises(BlockwiseRequestError, match="--block-size must be between 1 and the checkpoint's 3"):
         load(blockwise=True, block_size=4).translate(sentences)
