@@ -183,7 +183,7 @@ class TranslationBlockwiseTask(TranslationTask):
         JSON, the hub's translate() keywords), which fairseq would hand over and forget."""
         for name in sorted(self.decoding_options):
             value = getattr(args, name, None)
-            if value is not None and value != getattr(self.cfg, name):
+            if value is not None and value != getattr(self.cfg, name, None):
                 raise BlockwiseRequestError(
                     f"{name} is an option of the task, not of generation (--eval-bleu-args, the hub's "
                     f"translate()): give it as --{name.replace('_', '-')}, or to from_pretrained()"
