@@ -9,12 +9,15 @@ class BlockwiseRequestError(ValueError):
     ValueError. A command that does not catch it (fairseq-generate, fairseq-interactive,
     fairseq-train) prints `error: <message>` on one line to stderr and exits with status
     1, as a command-line tool refuses a bad flag: a 20-line traceback reads as a crash.
+    One raised while another error was being handled keeps Python's report of both.
     """
 
 
 def _print_refusals(fallback):
     def excepthook(kind, value, traceback):
-        if isinstance(value, BlockwiseRequestError):
+        # A refusal raised while another error was being handled is not the whole story.
+        chained = value.__cause__ is not None or (value.__context__ is not None and not value.__suppress_context__)
+        if isinstance(value, BlockwiseRequestError) and not chained:
             print(f"error: {value}", file=sys.stderr)
         else:
             fallback(kind, value, traceback)

@@ -286,9 +286,16 @@ class BlockwiseTransformerModel(TransformerModel):
 
     @classmethod
     def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):
-        """fairseq's loading, with a hub whose translate() under --blockwise asks for no beam."""
+        """fairseq's loading, with a hub whose translate() under --blockwise asks for no beam.
+
+        block_size is the task's decoding block: fairseq would also set it in the model's
+        options, which name the checkpoint's heads, and fail to load their weights.
+        """
+        block_size = kwargs.pop("block_size", None)
         loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
                                            archive_map=cls.hub_models(), **kwargs)
+        if block_size is not None:
+            loaded["task"].cfg.block_size = block_size
         return BlockwiseHubInterface(loaded["args"], loaded["task"], loaded["models"])
 
     @classmethod

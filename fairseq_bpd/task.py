@@ -1,4 +1,5 @@
 """translation_blockwise: fairseq's translation task plus blockwise parallel decoding."""
+import argparse
 import dataclasses
 import atexit
 import logging
@@ -108,10 +109,25 @@ def log_at_exit(stats):
         logging.raiseExceptions = raise_exceptions
 
 
-# translation_blockwise's default --beam: "not given". fairseq's own default, 5, cannot
-# be told from an explicit --beam 5, which --blockwise must refuse. Not given, decoding
-# is greedy under --blockwise and fairseq's beam 5 without it.
-BEAM_NOT_GIVEN = 0
+# fairseq's default --beam, 5, cannot be told from an explicit --beam 5, which --blockwise
+# must refuse. So the parser notes a typed --beam, and under --blockwise a beam not typed
+# is 1, greedy. Without --blockwise the default stays 5: fairseq-generate and -interactive
+# check it (--sampling needs --nbest equal to --beam) before any task code runs.
+class _TypedBeam(argparse._StoreAction):
+    """fairseq's --beam, noting in the namespace that it was typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace.beam_typed = True
+
+
+class _Blockwise(argparse._StoreTrueAction):
+    """--blockwise: a --beam not typed, before or after it, is 1."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        if not getattr(namespace, "beam_typed", False):
+            namespace.beam = 1
 
 
 @register_task("translation_blockwise", dataclass=TranslationBlockwiseConfig)
@@ -122,6 +138,11 @@ class TranslationBlockwiseTask(TranslationTask):
     """
 
     cfg: TranslationBlockwiseConfig
+    # The options this task adds to translation's: build_generator refuses them among the
+    # generation options, where they would be ignored.
+    decoding_options = {f.name for f in dataclasses.fields(TranslationBlockwiseConfig)} - {
+        f.name for f in dataclasses.fields(TranslationConfig)
+    }
     # fairseq-generate and -interactive skip a too-long input, naming it, instead of
     # ending the run; the hub turns this off (it returns one output per input).
     skip_invalid_inputs = True
@@ -129,8 +150,10 @@ class TranslationBlockwiseTask(TranslationTask):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
-        if parser.get_default("beam") is not None:  # a generation parser, not fairseq-train's
-            parser.set_defaults(beam=BEAM_NOT_GIVEN)
+        actions = {action.dest: action for action in parser._actions}
+        if "beam" in actions:  # a generation parser, not fairseq-train's
+            actions["beam"].__class__ = _TypedBeam  # the parser made them: only their calls change
+            actions["blockwise"].__class__ = _Blockwise
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
         # fairseq drops a last batch whose size is not a multiple of this flag.
@@ -139,11 +162,21 @@ class TranslationBlockwiseTask(TranslationTask):
 
     def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs=False):
         if ignore_invalid_inputs or not self.skip_invalid_inputs:
-            return super().filter_indices_by_size(indices, dataset, max_positions, ignore_invalid_inputs)
-        indices, ignored = dataset.filter_indices_by_size(indices, max_positions)
-        for index in ignored:
-            logger.warning(skipped_input(dataset, index, max_positions, self.source_dictionary))
-        return indices
+            kept = super().filter_indices_by_size(indices, dataset, max_positions, ignore_invalid_inputs)
+        else:
+            kept, ignored = dataset.filter_indices_by_size(indices, max_positions)
+            for index in ignored:
+                logger.warning(skipped_input(dataset, index, max_positions, self.source_dictionary))
+        split = next((name for name, loaded in self.datasets.items() if loaded is dataset), None)
+        if len(kept) == 0 and len(indices) > 0 and split is not None:
+            # A file with nothing left: fairseq's summaries would divide by zero. (An
+            # interactive buffer of long lines is not one: the lines after it still come.)
+            raise BlockwiseRequestError(
+                f"--max-source-positions/--max-target-positions: every one of the {len(indices)} sentences of "
+                f"'{split}' is too long for the model (see the warnings above); --truncate-source cuts "
+                f"long sources instead"
+            )
+        return kept
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
         # fairseq-interactive's lines: --truncate-source cuts them as load_dataset cuts files.
@@ -156,9 +189,8 @@ class TranslationBlockwiseTask(TranslationTask):
     def build_generator(
         self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None
     ):
+        self.check_generation_options(args)
         if not self.cfg.blockwise:
-            if getattr(args, "beam", None) == BEAM_NOT_GIVEN:
-                args.beam = GenerationConfig.beam
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
@@ -209,6 +241,16 @@ class TranslationBlockwiseTask(TranslationTask):
             return {"tree": size, "tree_rates": load_rates(path) if path else None}
         except ValueError as error:
             raise BlockwiseRequestError(f"--blockwise: {error}") from None
+    def check_generation_options(self, args):
+        """Refuse a task option set differently among the generation options (--eval-bleu-args'
+        JSON, the hub's translate() keywords), which fairseq would hand over and forget."""
+        for name in sorted(self.decoding_options):
+            value = getattr(args, name, None)
+            if value is not None and value != getattr(self.cfg, name, None):
+                raise BlockwiseRequestError(
+                    f"{name} is an option of the task, not of generation (--eval-bleu-args, the hub's "
+                    f"translate()): give it as --{name.replace('_', '-')}, or to from_pretrained()"
+                )
 
     def check_blockwise_request(self, models, args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
         """Refuse, naming the flag, what blockwise (greedy) decoding cannot honour exactly."""
@@ -219,8 +261,8 @@ class TranslationBlockwiseTask(TranslationTask):
         def given(name):
             return getattr(args, name, GENERATION_DEFAULTS[name]) != GENERATION_DEFAULTS[name]
 
-        beam = getattr(args, "beam", 1)
-        if beam not in (BEAM_NOT_GIVEN, 1):  # any beam given, fairseq's default 5 included
+        beam = getattr(args, "beam", 1)  # --eval-bleu-args gives only the JSON's keys
+        if beam != 1:  # any beam given, fairseq's default 5 included
             refuse(f"decoding is greedy, but --beam {beam} was given; use --beam 1 or drop --blockwise")
         if getattr(args, "nbest", 1) > 1:
             refuse("gives one hypothesis; --nbest must be 1")

@@ -1,21 +1,24 @@
 """Every generation option fairseq defines keeps its meaning under --blockwise, or is refused by name."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from argparse import Namespace
 
 import pytest
 import torch
+from fairseq import options
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks.translation import TranslationTask
 
-from conftest import build, random_sample, write_dicts
+from conftest import PLUGIN, build, random_sample, write_dicts
 from test_generator import Oracle, assert_same, blockwise, greedy
 
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.sampling import SpeculativeSampler
-from fairseq_bpd.task import BEAM_NOT_GIVEN
 
 FIELDS = [f.name for f in dataclasses.fields(GenerationConfig) if not f.name.startswith("_")]
 HONOURED = None
@@ -25,7 +28,7 @@ SAMPLED = "speculative sampling"  # its distribution is fairseq's: tests/test_sa
 # scores identical to fairseq's --beam 1), SAMPLED (fairseq's sampling distribution) or
 # refused with a message naming the flag.
 SWEEP = {
-    "beam": [(1, HONOURED), (BEAM_NOT_GIVEN, HONOURED), (4, "--beam 4 was given"),
+    "beam": [(1, HONOURED), (0, "--beam 0 was given"), (4, "--beam 4 was given"),
              (5, "--beam 5 was given")],  # 5: fairseq's default, but given
     "nbest": [(2, "--nbest must be 1")],
     "max_len_a": [(0.5, HONOURED)],
@@ -172,19 +175,38 @@ def test_no_repeat_ngram_blocking_that_bites_gives_greedy_output(seeded):
 def test_a_beam_is_a_request_only_when_given(seeded):
     """--eval-bleu-args hands build_generator a Namespace of the JSON's keys alone."""
     task, model, _ = seeded
-    assert task.build_generator([model], Namespace(**json.loads("{}"))).block_size == 4
+    args = Namespace(**json.loads("{}"))
+    assert task.build_generator([model], args).block_size == 4
+    assert args.beam == 1  # what fairseq-generate prints
     for beam in (5, 2):
         with pytest.raises(BlockwiseRequestError, match=f"--beam {beam} was given"):
             task.build_generator([model], Namespace(**json.loads(f'{{"beam": {beam}}}')))
-    args = generation_args(beam=BEAM_NOT_GIVEN)
-    task.build_generator([model], args)
-    assert args.beam == 1  # what fairseq-generate prints
 
 
-def test_without_blockwise_a_beam_not_given_is_fairseqs_5(data_dir):
-    task, model, _ = build(data_dir, "--block-size", "3")
-    args = generation_args(beam=BEAM_NOT_GIVEN)
-    assert task.build_generator([model], args).beam_size == 5 == args.beam
+def test_task_options_in_eval_bleu_args_are_refused(seeded):
+    """fairseq hands --eval-bleu-args' JSON to build_generator as generation options."""
+    task, model, _ = seeded
+    assert task.build_generator([model], Namespace(**json.loads('{"block_size": 4, "blockwise": true}')))
+    for options, name in (('{"blockwise_topk": 2}', "blockwise_topk"), ('{"block_size": 2}', "block_size")):
+        with pytest.raises(BlockwiseRequestError, match=f"^{name} is an option of the task, not of generation"):
+            task.build_generator([model], Namespace(**json.loads(options)))
+
+
+def parse_generation(data_dir, *flags, parser=options.get_generation_parser):
+    return options.parse_args_and_arch(parser(), [data_dir, "--user-dir", PLUGIN, "--task", "translation_blockwise", *flags])
+
+
+@pytest.mark.parametrize("parser", [options.get_generation_parser, options.get_interactive_generation_parser])
+def test_only_blockwise_changes_the_parsed_beam(data_dir, parser):
+    """Without --blockwise, fairseq's 5, as stock: fairseq-generate's and -interactive's own checks
+    (--sampling needs --nbest equal to --beam) read it before any task code runs."""
+    assert parse_generation(data_dir, parser=parser).beam == GenerationConfig.beam
+    assert parse_generation(data_dir, "--sampling", "--nbest", "5", parser=parser).beam == 5
+    assert parse_generation(data_dir, "--beam", "0", parser=parser).beam == 0  # as typed, as stock
+    assert parse_generation(data_dir, "--blockwise", parser=parser).beam == 1
+    for typed in (["--beam", "5", "--blockwise"], ["--blockwise", "--beam", "5"], ["--beam=5", "--blockwise"]):
+        assert parse_generation(data_dir, *typed, parser=parser).beam == 5, typed
+    assert parse_generation(data_dir, "--beam", "1", "--blockwise", parser=parser).beam == 1
 
 
 def test_blockwise_topk_must_stay_below_the_vocabulary(seeded):
@@ -219,3 +241,28 @@ def test_generator_refusals_are_of_the_one_class(seeded):
     with pytest.raises(BlockwiseRequestError, match="^--blockwise: cannot decode with a prefix"):
         generator.generate([model], sample, prefix_tokens=torch.ones(5, 1, dtype=torch.long))
     assert issubclass(BlockwiseRequestError, ValueError)  # callers catching ValueError keep working
+
+
+PROGRAM = """
+import fairseq_bpd
+from fairseq_bpd.errors import BlockwiseRequestError
+try:
+    {}["checkpoint"]
+except KeyError:
+    raise BlockwiseRequestError("--blockwise: %s")
+"""
+
+
+@pytest.mark.parametrize("while_failing", [False, True])
+def test_only_a_refusal_that_is_the_whole_story_loses_its_traceback(while_failing):
+    """A refusal raised while handling another error shows both, as Python does: the other is news."""
+    program = PROGRAM % "refused" if while_failing else "import fairseq_bpd\nfrom fairseq_bpd.errors import " \
+        "BlockwiseRequestError\nraise BlockwiseRequestError('--blockwise: refused')\n"
+    process = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.path.dirname(PLUGIN)})
+    assert process.returncode == 1
+    if while_failing:
+        assert "KeyError: 'checkpoint'" in process.stderr and process.stderr.rstrip().endswith(
+            "BlockwiseRequestError: --blockwise: refused")
+    else:
+        assert "Traceback" not in process.stderr and process.stderr.splitlines()[-1] == "error: --blockwise: refused"

@@ -121,8 +121,6 @@ BAD_REQUESTS = {
     "--blockwise-topk 48": (["--blockwise-topk", 48], "--blockwise-topk must be between 1 and 47"),
     "--diversity-rate -0.5": (["--diversity-rate", -0.5], "--diversity-rate"),
     "--diverse-beam-groups 2": (["--diverse-beam-groups", 2], "--diverse-beam-groups"),
-    "--sampling-topk 5": (["--sampling-topk", 5], "--sampling-topk needs --sampling"),
-    "--sampling-topp 0.5": (["--sampling-topp", 0.5], "--sampling-topp needs --sampling"),
     "--retain-dropout": (["--retain-dropout"], "--retain-dropout"),
     "--temperature 0": (["--temperature", 0], "--temperature must be greater than 0"),
 }
@@ -185,6 +183,19 @@ def test_a_beam_not_given_is_fairseqs_5_without_blockwise(tiny):
     assert "Generate test with beam=5:" in output and len(hypotheses(output)) == 20
 
 
+def test_sampling_without_a_beam_is_stocks_without_blockwise(tiny):
+    """fairseq checks --nbest against --beam before any task code: the task leaves its 5 alone."""
+    sampling = ["--gen-subset", SIZES[5], "--sampling", "--nbest", 5, "--batch-size", 8]
+    expected = cli_main("generate", tiny.data, "--user-dir", PLUGIN, "--task", "translation", "--path",
+                        tiny.checkpoint, "--cpu", "--num-workers", 0, "--required-batch-size-multiple", 1,
+                        *sampling)
+    output = generate(tiny, *sampling)
+    assert output.count("\nH-") == 25 and "Generate test1 with beam=5:" in output
+    assert [line for line in output.splitlines() if line[:2] in ("H-", "P-")] == [
+        line for line in expected.splitlines() if line[:2] in ("H-", "P-")
+    ]
+
+
 def test_checkpoint_of_another_dictionary_fails_at_load(tiny, tmp_path):
     for lang in ("de", "en"):  # interactive needs only the dictionaries
         with open(f"{tiny.data}/dict.{lang}.txt") as f:
@@ -230,6 +241,18 @@ def test_generate_skips_overlong_sentences_naming_them(tiny, caplog):
         )
 
 
+def test_a_subset_with_every_input_too_long_is_refused_on_one_line(tiny):
+    """Nothing left to translate or score: fairseq's summaries would divide by zero."""
+    common = ["--user-dir", PLUGIN, "--task", "translation_blockwise", "--path", tiny.checkpoint, "--cpu",
+              "--max-source-positions", 2]
+    message = ("error: --max-source-positions/--max-target-positions: every one of the 5 sentences of 'test1' "
+               "is too long for the model (see the warnings above); --truncate-source cuts long sources instead")
+    assert refused("fairseq-generate", tiny.data, *common, "--blockwise", "--gen-subset", SIZES[5]) == message
+    assert refused("fairseq-generate", tiny.data, *common, "--blockwise", "--gen-subset", SIZES[5],
+                   "--skip-invalid-size-inputs-valid-test") == message  # fairseq's skipping, its warning
+    assert refused("fairseq-validate", tiny.data, *common, "--valid-subset", SIZES[5], "--batch-size", 4) == message
+
+
 def test_the_hub_keeps_fairseqs_error_for_an_overlong_input(tiny):
     """It returns one output per input: skipping would shift the others."""
     from fairseq_bpd.model import BlockwiseTransformerModel
@@ -262,3 +285,29 @@ def test_match_source_len_through_the_hub(tiny):
     greedy = load().translate(sentences, beam=1, match_source_len=True)
     assert [len(t.split()) for t in greedy] == [5, 3, 7]  # the source's words and EOS
     assert load(task="translation_blockwise", blockwise=True).translate(sentences, match_source_len=True) == greedy
+
+
+def test_the_hubs_task_options_are_set_when_loading_and_refused_per_call(tiny):
+    """--block-size names the heads in the model's options and the block in the task's: loading
+    sets the task's. translate()'s keyword arguments reach fairseq's generation options only,
+    where a task option would be ignored."""
+    from fairseq_bpd.model import BlockwiseTransformerModel
+
+    def load(**overrides):
+        return BlockwiseTransformerModel.from_pretrained(
+            tiny.save_dir, checkpoint_file="checkpoint_last.pt", data_name_or_path=tiny.data,
+            user_dir=PLUGIN, task="translation_blockwise", **overrides,
+        )
+
+    sentences = ["s1 s2 s3 s4", "s5 s6", "s7 s8 s9 s10 s11 s12"]
+    greedy = load().translate(sentences, beam=1)
+    hub = load(blockwise=True, block_size=2)
+    assert hub.models[0].decoder.block_size == 3 and hub.task.build_generator(hub.models, Namespace()).block_size == 2
+    assert hub.translate(sentences) == greedy
+    assert hub.translate(sentences, block_size=2, blockwise=True) == greedy  # the task's own values
+    for hub_, option in ((hub, {"block_size": 3}), (hub, {"blockwise_topk": 2}), (load(), {"blockwise": True})):
+        name = next(iter(option))
+        with pytest.raises(BlockwiseRequestError, match=f"^{name} is an option of the task, not of generation"):
+            hub_.translate(sentences, **option)
+    with pytest.raises(BlockwiseRequestError, match="--block-size must be between 1 and the checkpoint's 3"):
+        load(blockwise=True, block_size=4).translate(sentences)
