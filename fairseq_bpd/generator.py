@@ -66,6 +66,18 @@ def confident_width(best, log_confidence):
     return int(confident.sum(dim=1).max())
 
 
+def greedy_step(lprobs, score, eos):
+    """A block of one token (no proposals): head 1's choice, as commit gives it for n = 1.
+
+    lprobs: b x 1 x V, score: b. Ranks as verify does (top 2, as fairseq's beam 1),
+    with nothing to accept or roll back. Returns commit's outputs and output scores
+    (b x 1), added (b, all 1) and finished (b).
+    """
+    values, candidates = torch.topk(lprobs + score[:, None, None], k=2, dim=2)
+    outputs = candidates[:, :, 0]
+    return outputs, values[:, :, 0], torch.ones_like(score, dtype=torch.long), outputs[:, 0] == eos
+
+
 def commit(block, candidates, values, running, kept, eos):
     """What a verified block adds to each sentence (pure: reads its inputs only).
 
@@ -94,6 +106,7 @@ class BlockwiseStats:
     def __init__(self):
         self.sentences = self.tokens = self.invocations = 0
         self.accepted = Counter()
+        self.widths = Counter()  # block widths chosen (--blockwise-adaptive)
 
     def mean_accepted_block(self):
         iterations = sum(self.accepted.values())
@@ -105,12 +118,19 @@ class BlockwiseStats:
             logger.info(self.summary())
 
     def summary(self):
-        histogram = " ".join(f"{size}:{self.accepted[size]}" for size in sorted(self.accepted))
-        return (
+        summary = (
             f"blockwise: {self.sentences} sentences, {self.tokens} tokens, "
             f"{self.invocations} decoder invocations, mean accepted block size "
-            f"{self.mean_accepted_block():.3f}, accepted block sizes {{{histogram}}}"
+            f"{self.mean_accepted_block():.3f}, accepted block sizes {histogram(self.accepted)}"
         )
+        if self.widths:
+            summary += f", block widths chosen {histogram(self.widths)}"
+        return summary
+
+
+def histogram(counts):
+    """A Counter of sizes as `{1:12 2:5}`."""
+    return "{" + " ".join(f"{size}:{counts[size]}" for size in sorted(counts)) + "}"
 
 
 class Batch:
@@ -224,13 +244,18 @@ class BlockwiseGenerator(nn.Module):
             batch.invocations += 1
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len)
 
-            # 2. Verify the proposals with head 1, 3. accept the longest agreeing prefix.
-            candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk)
-            limit = (max_len + 1 - batch.length).clamp(max=n)  # no output past step max_len
-            kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
+            if n == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
+                outputs, output_scores, added, finished = greedy_step(lprobs, self.score(batch), self.eos)
+                kept = added
+            else:
+                # 2. Verify the proposals with head 1, 3. accept the longest agreeing prefix.
+                candidates, values, running, proposal_lprobs = verify(lprobs, block, self.score(batch), self.topk)
+                limit = (max_len + 1 - batch.length).clamp(max=n)  # no output past step max_len
+                kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block)
+                self.accepted_block(n, kept, limit)
 
-            # 4. Commit the kept proposals and head 1's choice after them.
-            outputs, output_scores, added, finished = commit(block, candidates, values, running, kept, self.eos)
+                # 4. Commit the kept proposals and head 1's choice after them.
+                outputs, output_scores, added, finished = commit(block, candidates, values, running, kept, self.eos)
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
@@ -324,17 +349,24 @@ class BlockwiseGenerator(nn.Module):
                     prefix, lprobs[row, j : j + 1], 1, 1, start + j
                 )[0]
 
-    def propose(self, features, sentence, tokens, length):
-        """Heads 2..k at the last accepted position: features b x C -> b x n-1 tokens.
+    def block_width(self, batch_size):
+        """The next block's width, proposals included (--blockwise-adaptive chooses it)."""
+        return self.block_size
 
-        n is k, or less under --blockwise-confidence (confident_width), since every
+    def accepted_block(self, width, kept, limit):
+        """Hook: a block of `width` kept `kept` (b) tokens where `limit` (b) were allowed."""
+
+    def propose(self, features, sentence, tokens, length):
+        """Heads 2..n at the last accepted position: features b x C -> b x n-1 tokens.
+
+        n is block_width(), or less under --blockwise-confidence (confident_width), since every
         block position costs decoder and projection work whether or not it is accepted.
         The heads need only `features`; the batch's sentence ids, tokens (b x L) and
         lengths (b) are there for proposal models that read the prefix (the tests'
         oracles).
         """
         heads = self.model.decoder.heads
-        proposals, lprobs = heads.propose(features, self.block_size, self.proposal_vocab)  # b x k-1 x 1
+        proposals, lprobs = heads.propose(features, self.block_width(features.size(0)), self.proposal_vocab)  # b x n-1 x 1
         proposals = proposals[..., 0]
         if self.log_confidence == -math.inf:
             return proposals

@@ -194,6 +194,11 @@ class BlockwiseDecoder(TransformerDecoderBase):
         buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
         return buffer["prev_key"].size(2) if "prev_key" in buffer else 0
 
+    def cache_is_compact(self, incremental_state):
+        """Whether every sentence's cached prefix fills the cache's width (no padding mask)."""
+        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
+        return buffer.get("prev_key_padding_mask") is None
+
     def crop_cache(self, incremental_state, cached, block_width, keep, kept):
         """Keep, after each sentence's cached prefix, only the chosen entries of the last block.
 
@@ -206,6 +211,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
         (fairseq's attention reads it with the cache). Returns cached + kept.
         """
         lengths = cached + kept
+        if block_width == 1 and self.cache_is_compact(incremental_state):
+            return lengths  # a block of one is kept whole, after prefixes of one length: nothing to move
         width = int(lengths.max())
         total = self.cache_width(incremental_state)
         old_width = total - block_width

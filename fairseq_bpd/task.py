@@ -9,6 +9,7 @@ from fairseq.dataclass.configs import GenerationConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from .adaptive import AdaptiveBlockwiseGenerator
 from .generator import BlockwiseGenerator, BlockwiseStats
 from .model import BlockwiseDecoder, shortlist_problem
 
@@ -53,6 +54,15 @@ class TranslationBlockwiseConfig(TranslationConfig):
             "greedy (0: always k)"
         },
     )
+    blockwise_adaptive: bool = field(
+        default=False,
+        metadata={
+            "help": "choose each block's width (1 to --block-size) for the most accepted "
+            "tokens per second, from this run's acceptance rate of each head and the "
+            "measured time of invocations by width and batch size; width 1 runs no "
+            "proposal heads, as fast as greedy. Output stays exactly greedy"
+        },
+    )
     blockwise_proposal_vocab: int = field(
         default=0,
         metadata={
@@ -93,6 +103,8 @@ class TranslationBlockwiseTask(TranslationTask):
         self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None
     ):
         if not self.cfg.blockwise:
+            if self.cfg.blockwise_adaptive:
+                raise ValueError("--blockwise-adaptive chooses blockwise block widths: it needs --blockwise")
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
@@ -104,7 +116,8 @@ class TranslationBlockwiseTask(TranslationTask):
             self.blockwise_stats = BlockwiseStats()
             atexit.register(log_at_exit, self.blockwise_stats)
         decoder = models[0].decoder
-        return BlockwiseGenerator(
+        generator_class = AdaptiveBlockwiseGenerator if self.cfg.blockwise_adaptive else BlockwiseGenerator
+        return generator_class(
             models[0],
             self.target_dictionary,
             block_size=self.cfg.block_size or decoder.block_size,

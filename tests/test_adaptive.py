@@ -1,0 +1,122 @@
+"""--blockwise-adaptive: the width choice from hand-made rates and costs, and greedy output whatever it picks."""
+import numpy as np
+import pytest
+
+from conftest import build, random_sample
+from test_generator import Oracle, assert_same, blockwise, greedy
+
+from fairseq_bpd.adaptive import (
+    AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, expected_tokens,
+)
+
+
+def test_expected_tokens_multiply_the_conditional_rates():
+    assert expected_tokens(np.array([0.5, 0.5, 0.0])).tolist() == [1.0, 1.5, 1.75, 1.75]
+    assert expected_tokens(np.ones(3)).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert expected_tokens(np.zeros(0)).tolist() == [1.0]
+
+
+def test_choose_width_maximises_tokens_per_cost():
+    expected = np.array([1.0, 1.5, 1.75, 1.75])
+    assert choose_width(expected, np.array([1.0, 1.2, 1.3, 1.6])) == 3  # 1, 1.25, 1.35, 1.09
+    assert choose_width(expected, np.array([1.0, 1.2, 1.4, 1.6])) == 2  # 1, 1.25, 1.25, 1.09: ties go narrower
+    assert choose_width(expected, np.array([1.0, 1.6, 1.8, 2.0])) == 1  # proposals cost more than they bring
+    assert choose_width(expected, np.array([1.0, 1.0, 1.0, 1.0])) == 3  # width 4 adds nothing
+    assert choose_width(expected, np.array([1.0, 1.2, 0.0, 1.6])) == 3  # never timed: tried first
+
+
+def test_invocation_cost_recovers_a_linear_cost():
+    def seconds(width, b):  # lean: 2 ms + 0.1 ms a sentence; a block: 3 ms + 0.2 ms a sentence + 0.05 ms a row
+        return 2e-3 + 1e-4 * b if width == 1 else 3e-3 + 2e-4 * b + 5e-5 * b * width
+
+    cost = InvocationCost()
+    assert cost.predict(np.arange(1, 9), 4).tolist() == [0.0] * 8  # nothing timed yet
+    for b in (32, 31, 29, 20, 5):
+        for width in (1, 2, 5, 8):
+            cost.update(width, b, seconds(width, b))
+    for b in (1, 16, 64):  # unseen batch sizes and widths too
+        assert np.allclose(cost.predict(np.arange(1, 9), b), [seconds(w, b) for w in range(1, 9)], rtol=1e-4)
+
+
+def test_invocation_cost_follows_the_load_and_forgets_untimed_widths():
+    cost = InvocationCost(forgetting=0.9)
+    for _ in range(50):
+        cost.update(1, 1, 2e-3)
+        cost.update(4, 1, 4e-3)
+    for _ in range(50):  # the machine got busier
+        cost.update(1, 1, 4e-3)
+        cost.update(4, 1, 8e-3)
+    assert np.allclose(cost.predict(np.array([1, 4]), 1), [4e-3, 8e-3], rtol=1e-3)
+    for _ in range(400):  # width 1 only: the block's fit fades to the ridge's 0, which gets it tried again
+        cost.update(1, 1, 4e-3)
+    costs = cost.predict(np.array([1, 4]), 1)
+    assert costs[0] == pytest.approx(4e-3) and costs[1] < 1e-6
+    assert choose_width(np.array([1.0, 1.01]), costs) == 2
+
+
+def test_acceptance_rates_count_each_proposal_given_its_predecessors():
+    rates = AcceptanceRates(4)  # k=5: proposals 1..4, one pass in one try each to start
+    assert rates.rates().tolist() == [1.0] * 4
+    # Width 4 (3 proposals): kept 1 (proposal 1 failed), 3 (1, 2 passed, 3 failed), 4 (all passed),
+    # and 2 with limit 2 (proposal 1 passed; proposal 2 could not have been kept).
+    rates.update(4, np.array([1, 3, 4, 2]), np.array([4, 4, 4, 2]))
+    assert rates.tried.tolist() == [1 + 4, 1 + 2, 1 + 2, 1]
+    assert rates.passed.tolist() == [1 + 3, 1 + 2, 1 + 1, 1]
+
+
+class Widths(AdaptiveBlockwiseGenerator):
+    """Records the widths chosen, in order."""
+
+    def block_width(self, batch_size):
+        self.chosen = getattr(self, "chosen", []) + [super().block_width(batch_size)]
+        return self.chosen[-1]
+
+
+class AdaptiveOracle(Oracle, Widths):
+    pass
+
+
+class FixedCost:
+    """Hand-made invocation costs by width: 1 for the lean path, 1.25 + 0.25 a row beyond 2."""
+
+    def update(self, width, batch_size, seconds):
+        pass
+
+    def predict(self, widths, batch_size):
+        return np.where(widths == 1, 1.0, 1.0 + 0.25 * (widths - 1))
+
+
+@pytest.mark.parametrize("cost", [FixedCost, InvocationCost])
+@pytest.mark.parametrize("bsz", [1, 64])
+@pytest.mark.parametrize("agree", [True, False])
+def test_adaptive_widths_give_greedy_output_and_settle(data_dir, bsz, agree, cost):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=4)
+    sample = random_sample(task, bsz=bsz, seed=4)
+    expected = greedy(model, task, sample, max_len_b=30)
+    references = [e["tokens"] for e in expected]
+    hypos, generator = blockwise(model, task, sample, 5, AdaptiveOracle, max_len_b=30,
+                                 references=references, agree=agree, cost=cost())
+    assert_same(expected, hypos)
+    widths = generator.stats.widths
+    assert sum(widths.values()) == len(generator.chosen)
+    if cost is InvocationCost:
+        return  # measured costs: any widths, but still greedy's output
+    if agree:  # every proposal passes: the full block pays most
+        assert set(generator.chosen) == {5}
+        assert generator.stats.mean_accepted_block() > 4
+    else:  # no proposal passes: it settles on width 1, one token per invocation as greedy
+        tail = generator.chosen[len(generator.chosen) // 4:]
+        assert set(tail) == {1}
+        assert widths[1] > 0.75 * len(generator.chosen)
+        assert all(h[0]["steps"] == len(e["tokens"]) for h, e in zip(hypos, expected))
+
+
+@pytest.mark.parametrize("bsz", [1, 64])
+def test_adaptive_with_the_model_heads_is_greedy(data_dir, bsz):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=6)
+    sample = random_sample(task, bsz=bsz, seed=6)
+    generator = Widths(model, task.target_dictionary, block_size=4, max_len_b=20)
+    for _ in range(2):  # rates and costs carry over to the next batch
+        assert_same(greedy(model, task, sample), generator.generate([model], sample))
+    assert "block widths chosen {" in generator.stats.summary()
+    assert set(generator.chosen) <= {1, 2, 3, 4}
