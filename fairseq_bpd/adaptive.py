@@ -44,8 +44,24 @@ def cost_features(widths, batch_size):
     return np.stack([lean, lean * batch_size, block, block * batch_size, block * batch_size * widths], axis=1)
 
 
+def nonnegative_solve(gram, moment):
+    """Least squares from its normal equations with every coefficient at least 0: 5 -> 5.
+
+    Coefficients that come out negative are fixed at 0 and the rest solved again. Costs
+    only grow with batch size and width: a negative term would come from timing noise at
+    batch sizes alike (a batch shrinking from 32 to 29), and extrapolate to absurd costs.
+    """
+    free = np.ones(len(moment), dtype=bool)
+    while True:
+        coefficients = np.zeros(len(moment))
+        coefficients[free] = np.linalg.solve(gram[np.ix_(free, free)], moment[free])
+        if (coefficients >= 0).all():
+            return coefficients
+        free &= coefficients > 0
+
+
 class InvocationCost:
-    """A running least-squares fit of invocation seconds on cost_features.
+    """A running non-negative least-squares fit of invocation seconds on cost_features.
 
     Old timings fade by `forgetting` per timing: the fit follows the machine's load,
     and a width not timed for a long while fades to a cost of 0 (the ridge's pull),
@@ -63,11 +79,17 @@ class InvocationCost:
         x = cost_features(np.array([width]), batch_size)[0]
         self.gram = self.forgetting * self.gram + np.outer(x, x)
         self.moment = self.forgetting * self.moment + seconds * x
-        self.coefficients = np.linalg.solve(self.gram + self.ridge * np.eye(5), self.moment)
+        self.coefficients = nonnegative_solve(self.gram + self.ridge * np.eye(5), self.moment)
 
     def predict(self, widths, batch_size):
-        """Seconds of an invocation of each width at this batch size: m -> m (at least 0)."""
-        return np.maximum(cost_features(widths, batch_size) @ self.coefficients, 0)
+        """Seconds of an invocation of each width 1..k at this batch size: k -> k.
+
+        A narrower block does a part of a wider one's work, so no width is predicted to
+        cost more than a wider one: a fit from other batch sizes cannot keep the lean
+        path from being tried where wide blocks were timed cheaper.
+        """
+        costs = cost_features(widths, batch_size) @ self.coefficients
+        return np.minimum.accumulate(costs[::-1])[::-1]
 
 
 class AcceptanceRates:

@@ -46,12 +46,13 @@ def test_invocation_cost_follows_the_load_and_forgets_untimed_widths():
     for _ in range(50):  # the machine got busier
         cost.update(1, 1, 4e-3)
         cost.update(4, 1, 8e-3)
-    assert np.allclose(cost.predict(np.array([1, 4]), 1), [4e-3, 8e-3], rtol=1e-3)
+    assert np.allclose(cost.predict(np.array([1, 2, 3, 4]), 1)[[0, 3]], [4e-3, 8e-3], rtol=1e-3)
     for _ in range(400):  # width 1 only: the block's fit fades to the ridge's 0, which gets it tried again
         cost.update(1, 1, 4e-3)
-    costs = cost.predict(np.array([1, 4]), 1)
-    assert costs[0] == pytest.approx(4e-3) and costs[1] < 1e-6
-    assert choose_width(np.array([1.0, 1.01]), costs) == 2
+    assert cost.coefficients[:2].sum() == pytest.approx(4e-3)  # the lean path at batch 1, still known
+    costs = cost.predict(np.arange(1, 5), 1)
+    assert costs[3] < 1e-6
+    assert choose_width(np.array([1.0, 1.01, 1.02, 1.03]), costs) > 1
 
 
 def test_acceptance_rates_count_each_proposal_given_its_predecessors():
@@ -120,3 +121,24 @@ def test_adaptive_with_the_model_heads_is_greedy(data_dir, bsz):
         assert_same(greedy(model, task, sample), generator.generate([model], sample))
     assert "block widths chosen {" in generator.stats.summary()
     assert set(generator.chosen) <= {1, 2, 3, 4}
+
+
+def test_invocation_cost_never_extrapolates_below_zero_or_upwards():
+    cost = InvocationCost()
+    # Noisy timings at batch sizes alike: a plain least-squares fit gives the per-sentence
+    # term a large slope and the intercept a large negative value.
+    for b, seconds in ((32, 0.20), (31, 0.40), (32, 0.21), (30, 0.19)):
+        cost.update(3, b, seconds)
+    small = cost.predict(np.array([2, 3, 8]), 1)
+    assert (cost.coefficients >= 0).all()
+    assert (small >= 0).all() and small[1] <= 0.4
+
+
+def test_no_width_is_predicted_dearer_than_a_wider_one():
+    cost = InvocationCost()
+    for _ in range(3):
+        cost.update(1, 32, 0.1)  # the lean path timed at batch 32 only: its fit is all intercept
+        cost.update(6, 1, 0.05)
+        cost.update(6, 32, 0.3)
+    costs = cost.predict(np.arange(1, 9), 1)
+    assert (np.diff(costs) >= 0).all() and costs[0] <= 0.05 + 1e-9
