@@ -19,7 +19,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import batches, decode, load  # noqa: E402
+from compare import batches, decode, prepare  # noqa: E402
 
 COLUMNS = ("batch", "decoder", "seconds", "speedup", "invocations", "mean accepted block",
            "widths chosen", "identical")
@@ -84,12 +84,8 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    for path in (args.path, args.data):
-        if not os.path.exists(path):
-            raise SystemExit(f"error: not found: {path}")
-    model, task, _ = load(args.path, args.data)
+    args.batch_size = args.batch_sizes[0]
+    model, task = prepare(args)[:2]  # checks the paths, sets --threads
     if max(args.block_sizes) > model.decoder.block_size:
         raise SystemExit(f"error: --block-sizes go up to the checkpoint's {model.decoder.block_size} heads")
     results = []
