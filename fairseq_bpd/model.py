@@ -91,9 +91,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
         rows MKL's x·Wᵀ re-packs the whole projection on every call, and on the 2-core
         CPU W·xᵀ cut decoding time by 10% at k=8 and batch 1. From 32 rows on, x·Wᵀ:
         W·xᵀ's result must be transposed into rows, a copy that at 256 rows (batch 32,
-        k=8) took longer than the product itself (7,936 types: 27 ms against 14 ms
-        for x·Wᵀ, best of 30). Both round differently from fairseq's one-row step,
-        which is why exactness is tested in float64.
+        k=8, 7,936 types) took longer than the product itself. Both round differently
+        from fairseq's one-row step, which is why exactness is tested in float64.
         """
         projection = self.output_projection
         plain = type(projection) is nn.Linear and projection.bias is None

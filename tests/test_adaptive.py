@@ -142,3 +142,11 @@ def test_no_width_is_predicted_dearer_than_a_wider_one():
         cost.update(6, 32, 0.3)
     costs = cost.predict(np.arange(1, 9), 1)
     assert (np.diff(costs) >= 0).all() and costs[0] <= 0.05 + 1e-9
+
+
+def test_the_task_builds_the_adaptive_generator_and_refuses_it_without_blockwise(data_dir):
+    task, model, args = build(data_dir, "--block-size", "4", "--blockwise", "--blockwise-adaptive")
+    assert isinstance(task.build_generator([model], args), AdaptiveBlockwiseGenerator)
+    task, model, args = build(data_dir, "--block-size", "4", "--blockwise-adaptive")
+    with pytest.raises(ValueError, match="--blockwise-adaptive .* needs --blockwise"):
+        task.build_generator([model], args)

@@ -55,6 +55,7 @@ def commands(tiny, tmp_path):
         "min block 2": partial(ours, "--blockwise", "--blockwise-min-block", 2, "--print-step", "--batch-size", 32),
         "proposal vocab": partial(ours, "--blockwise", "--blockwise-proposal-vocab", 8, "--batch-size", 32),
         "confidence": partial(ours, "--blockwise", "--blockwise-confidence", 0.5, "--print-step", "--batch-size", 32),
+        "adaptive": partial(ours, "--blockwise", "--blockwise-adaptive", "--print-step", "--batch-size", 32),
     }
 
 
@@ -167,6 +168,16 @@ def test_proposal_shortlist_and_confidence_cut_are_still_greedy(runs, run):
     assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(generated(runs, run)))
 
 
+def test_adaptive_widths_are_still_greedy_and_logged(runs):
+    adaptive = generated(runs, "adaptive")
+    assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(adaptive))
+    widths = re.search(r"accepted block sizes \{[\d: ]*\}, block widths chosen \{([\d: ]+)\}", adaptive)
+    assert widths, adaptive[-2000:]
+    chosen = dict(map(int, entry.split(":")) for entry in widths[1].split())
+    assert set(chosen) <= set(range(1, BLOCK_SIZE + 1)) and sum(chosen.values()) > 0
+    assert summary(adaptive).sentences == N
+
+
 @pytest.mark.parametrize("relaxation", ["topk 2", "min block 2"])
 def test_relaxed_acceptance_takes_no_more_invocations(runs, relaxation):
     exact, relaxed = generated(runs, "blockwise 32"), generated(runs, relaxation)
@@ -192,3 +203,23 @@ def test_speed_script_times_every_setting_and_stays_greedy(tiny, tmp_path):
     assert [(r["block_size"], r["confidence"]) for r in results] == [(2, 0), (2, 0.5), (3, 0), (3, 0.5)]
     assert all(r["identical"] == r["sentences"] == 6 for r in results)
     assert (tmp_path / "speed.md").read_text().count("\n| ") == 1 + 4  # header and a row per setting
+
+
+def test_adaptive_speed_script_times_greedy_fixed_widths_and_adaptive(tiny, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in os.listdir(tiny.data):
+        (data / name).symlink_to(os.path.join(tiny.data, name))
+    (data / "raw").symlink_to(tiny.raw)
+    argv = ["--data", data, "--path", tiny.checkpoint, "--batch-sizes", 1, 4, "--block-sizes", 2, 3,
+            "--max-sentences", 6, "--repeats", 1, "--out", tmp_path / "adaptive"]
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "speed_adaptive.py"), *map(str, argv)],
+        check=True, capture_output=True, env=ENV, timeout=300,
+    )
+    results = json.loads((tmp_path / "adaptive.json").read_text())
+    decoders = ["greedy", "width 2", "width 3", "adaptive"]
+    assert [(r["batch_size"], r["decoder"]) for r in results] == [(b, d) for b in (1, 4) for d in decoders]
+    assert all(r["identical"] == r["sentences"] == 6 for r in results)
+    assert all(set(map(int, r["widths_chosen"])) <= {1, 2, 3} for r in results if r["decoder"] == "adaptive")
+    assert (tmp_path / "adaptive.md").read_text().count("\n| ") == 1 + 8  # header and a row per run
