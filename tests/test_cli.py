@@ -185,13 +185,19 @@ def test_relaxed_acceptance_takes_no_more_invocations(runs, relaxation):
     assert summary(relaxed).mean >= summary(exact).mean
 
 
-def test_speed_script_times_every_setting_and_stays_greedy(tiny, tmp_path):
-    # scripts/speed.py reads references from DATA/raw, as the recipes lay data out.
+def with_raw(tiny, tmp_path):
+    """The tiny data, with raw/ inside: the speed scripts read references from DATA/raw,
+    as the recipes lay data out."""
     data = tmp_path / "data"
     data.mkdir()
     for name in os.listdir(tiny.data):
         (data / name).symlink_to(os.path.join(tiny.data, name))
     (data / "raw").symlink_to(tiny.raw)
+    return data
+
+
+def test_speed_script_times_every_setting_and_stays_greedy(tiny, tmp_path):
+    data = with_raw(tiny, tmp_path)
     out = tmp_path / "speed"
     argv = ["--data", data, "--path", tiny.checkpoint, "--block-sizes", 2, 3, "--confidences", 0, 0.5,
             "--max-sentences", 6, "--repeats", 1, "--out", out]
@@ -206,11 +212,7 @@ def test_speed_script_times_every_setting_and_stays_greedy(tiny, tmp_path):
 
 
 def test_adaptive_speed_script_times_greedy_fixed_widths_and_adaptive(tiny, tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in os.listdir(tiny.data):
-        (data / name).symlink_to(os.path.join(tiny.data, name))
-    (data / "raw").symlink_to(tiny.raw)
+    data = with_raw(tiny, tmp_path)
     argv = ["--data", data, "--path", tiny.checkpoint, "--batch-sizes", 1, 4, "--block-sizes", 2, 3,
             "--max-sentences", 6, "--repeats", 1, "--out", tmp_path / "adaptive"]
     subprocess.run(
