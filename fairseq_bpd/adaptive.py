@@ -51,13 +51,13 @@ def nonnegative_solve(gram, moment):
     only grow with batch size and width: a negative term would come from timing noise at
     batch sizes alike (a batch shrinking from 32 to 29), and extrapolate to absurd costs.
     """
-    free = np.ones(len(moment), dtype=bool)
-    while True:
+    coefficients = np.linalg.solve(gram, moment)
+    free = coefficients > 0
+    while not (coefficients >= 0).all():
         coefficients = np.zeros(len(moment))
         coefficients[free] = np.linalg.solve(gram[np.ix_(free, free)], moment[free])
-        if (coefficients >= 0).all():
-            return coefficients
         free &= coefficients > 0
+    return coefficients
 
 
 class InvocationCost:
@@ -137,6 +137,12 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
     def accepted_block(self, width, kept, limit):
         if width > 1:
             self.rates.update(width, kept.cpu().numpy(), limit.cpu().numpy())
+
+    def propose(self, features, sentence, tokens, length):
+        proposals = super().propose(features, sentence, tokens, length)
+        if self.timing is not None:  # --blockwise-confidence may have cut the block: time what runs
+            self.timing = (proposals.size(1) + 1, *self.timing[1:])
+        return proposals
 
     def block_width(self, batch_size):
         """Time the block that ends here, then choose the next block's width."""

@@ -6,7 +6,7 @@ from conftest import build, random_sample
 from test_generator import Oracle, assert_same, blockwise, greedy
 
 from fairseq_bpd.adaptive import (
-    AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, expected_tokens,
+    AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, expected_tokens, nonnegative_solve,
 )
 
 
@@ -123,6 +123,16 @@ def test_adaptive_with_the_model_heads_is_greedy(data_dir, bsz):
     assert set(generator.chosen) <= {1, 2, 3, 4}
 
 
+def test_nonnegative_solve_fixes_negative_coefficients_at_zero():
+    assert nonnegative_solve(np.eye(5), np.array([1.0, -1, 2, 0, -3])).tolist() == [1, 0, 2, 0, 0]
+    assert nonnegative_solve(np.eye(5), -np.ones(5)).tolist() == [0] * 5
+    # Coupled: y = 1 at x = (1, 1) and y = 3 at x = (1, 2) fit as -1 + 2x; clamped, all on x.
+    x = np.array([[1.0, 1, 0, 0, 0], [1, 2, 0, 0, 0]])
+    gram = x.T @ x + 1e-9 * np.eye(5)
+    solved = nonnegative_solve(gram, x.T @ np.array([1.0, 3.0]))
+    assert solved[0] == 0 and solved[1] == pytest.approx(7 / 5)
+
+
 def test_invocation_cost_never_extrapolates_below_zero_or_upwards():
     cost = InvocationCost()
     # Noisy timings at batch sizes alike: a plain least-squares fit gives the per-sentence
@@ -150,3 +160,18 @@ def test_the_task_builds_the_adaptive_generator_and_refuses_it_without_blockwise
     task, model, args = build(data_dir, "--block-size", "4", "--blockwise-adaptive")
     with pytest.raises(ValueError, match="--blockwise-adaptive .* needs --blockwise"):
         task.build_generator([model], args)
+
+
+def test_adaptive_with_a_confidence_cut_is_greedy_and_times_the_cut_width(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=3)
+    sample = random_sample(task, bsz=7, seed=3)
+    timed = []
+
+    class Recorded(InvocationCost):
+        def update(self, width, batch_size, seconds):
+            timed.append(width)
+            super().update(width, batch_size, seconds)
+
+    generator = Widths(model, task.target_dictionary, block_size=5, confidence=0.3, max_len_b=20, cost=Recorded())
+    assert_same(greedy(model, task, sample), generator.generate([model], sample))
+    assert any(t < c for t, c in zip(timed, generator.chosen))  # some chosen blocks were cut
