@@ -6,6 +6,8 @@ proposals; the longest verified prefix is accepted, the rejected suffix is cropp
 from the cache, and the heads at the last accepted position propose the next block
 (combined scoring and proposal: m/k + 1 invocations for m tokens, not 2m/k).
 One invocation: forward_block -> verify -> accept -> commit -> crop -> retire -> propose.
+A block of one token (the first pass, and width 1 under --blockwise-adaptive, adaptive.py)
+has nothing to verify or crop: greedy_step, at the cost of fairseq's own greedy step.
 """
 import logging
 import math
