@@ -75,8 +75,16 @@ class InvocationCost:
         self.coefficients = np.zeros(5)
 
     def update(self, width, batch_size, seconds):
-        """One invocation of `width` over `batch_size` sentences took `seconds`."""
+        """One invocation of `width` over `batch_size` sentences took `seconds`.
+
+        A timing over twice the prediction counts as twice it: on a shared CPU one
+        preempted invocation would otherwise teach the fit a cost many times the real
+        one. A lasting slow-down under 2x comes through whole, a larger one by steps.
+        """
         x = cost_features(np.array([width]), batch_size)[0]
+        predicted = x @ self.coefficients
+        if predicted > 0:
+            seconds = min(seconds, 2 * predicted)
         self.gram = self.forgetting * self.gram + np.outer(x, x)
         self.moment = self.forgetting * self.moment + seconds * x
         self.coefficients = nonnegative_solve(self.gram + self.ridge * np.eye(5), self.moment)

@@ -175,3 +175,14 @@ def test_adaptive_with_a_confidence_cut_is_greedy_and_times_the_cut_width(data_d
     generator = Widths(model, task.target_dictionary, block_size=5, confidence=0.3, max_len_b=20, cost=Recorded())
     assert_same(greedy(model, task, sample), generator.generate([model], sample))
     assert any(t < c for t, c in zip(timed, generator.chosen))  # some chosen blocks were cut
+
+
+def test_one_preempted_invocation_barely_moves_the_cost():
+    cost = InvocationCost()
+    for _ in range(50):
+        cost.update(4, 1, 4e-3)
+    cost.update(4, 1, 0.4)  # descheduled for a time slice
+    assert cost.predict(np.arange(1, 5), 1)[3] < 4.2e-3
+    for _ in range(100):  # a lasting slow-down comes through
+        cost.update(4, 1, 7e-3)
+    assert cost.predict(np.arange(1, 5), 1)[3] == pytest.approx(7e-3, rel=0.05)
