@@ -66,7 +66,12 @@ def test_acceptance_rates_count_each_proposal_given_its_predecessors():
 
 
 class Widths(AdaptiveBlockwiseGenerator):
-    """Records the widths chosen, in order."""
+    """Records the widths chosen, in order; a FakeClock reads the block under way."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.clock, FakeClock):
+            self.clock.generator = self
 
     def block_width(self, batch_size):
         self.chosen = getattr(self, "chosen", []) + [super().block_width(batch_size)]
@@ -186,3 +191,29 @@ def test_one_preempted_invocation_barely_moves_the_cost():
     for _ in range(100):  # a lasting slow-down comes through
         cost.update(4, 1, 7e-3)
     assert cost.predict(np.arange(1, 5), 1)[3] == pytest.approx(7e-3, rel=0.05)
+
+
+class FakeClock:
+    """Advances, at each reading, by a hand-made cost of the block the generator has under way."""
+
+    def __init__(self):
+        self.now, self.generator = 0.0, None
+
+    def __call__(self):
+        if self.generator.timing is not None:
+            width, b, _ = self.generator.timing
+            self.now += 2e-3 + 1e-4 * b if width == 1 else 3e-3 + 1e-4 * b + 1e-4 * b * width
+        return self.now
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_measured_costs_settle_as_hand_made_ones(data_dir, agree):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=4)
+    sample = random_sample(task, bsz=16, seed=4)
+    expected = greedy(model, task, sample, max_len_b=30)
+    clock = FakeClock()
+    hypos, generator = blockwise(model, task, sample, 5, AdaptiveOracle, max_len_b=30,
+                                 references=[e["tokens"] for e in expected], agree=agree, clock=clock)
+    assert_same(expected, hypos)
+    tail = generator.chosen[len(generator.chosen) // 2:]
+    assert set(tail) == ({5} if agree else {1})
