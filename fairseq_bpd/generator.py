@@ -8,6 +8,8 @@ from the cache, and the heads at the last accepted position propose the next blo
 Under --blockwise-tree the block is a tree of candidates (tree.py) rather than a chain:
 the same steps, with an ancestor mask, positions by depth and the deepest verified path.
 One invocation: forward_block -> verify -> accept -> commit -> crop -> retire -> propose.
+A block of one token (the first pass, and width 1 under --blockwise-adaptive, adaptive.py)
+has nothing to verify or crop: greedy_step, at the cost of fairseq's own greedy step.
 """
 import logging
 import math
@@ -133,6 +135,18 @@ def confident_width(best, log_confidence):
     return int(confident.sum(dim=1).max())
 
 
+def greedy_step(lprobs, score, eos):
+    """A block of one token (no proposals): head 1's choice, as commit gives it for n = 1.
+
+    lprobs: b x 1 x V, score: b. Ranks as verify does (top 2, as fairseq's beam 1),
+    with nothing to accept or roll back. Returns commit's outputs and output scores
+    (b x 1), added (b, all 1) and finished (b).
+    """
+    values, candidates = torch.topk(lprobs + score[:, None, None], k=2, dim=2)
+    outputs = candidates[:, :, 0]
+    return outputs, values[:, :, 0], torch.ones_like(score, dtype=torch.long), outputs[:, 0] == eos
+
+
 def commit(block, candidates, values, running, kept, eos):
     """What a verified block adds to each sentence (pure: reads its inputs only).
 
@@ -161,6 +175,7 @@ class BlockwiseStats:
     def __init__(self):
         self.sentences = self.tokens = self.invocations = 0
         self.accepted = Counter()
+        self.widths = Counter()  # block widths chosen (--blockwise-adaptive)
 
     def mean_accepted_block(self):
         iterations = sum(self.accepted.values())
@@ -172,12 +187,19 @@ class BlockwiseStats:
             logger.info(self.summary())
 
     def summary(self):
-        histogram = " ".join(f"{size}:{self.accepted[size]}" for size in sorted(self.accepted))
-        return (
+        summary = (
             f"blockwise: {self.sentences} sentences, {self.tokens} tokens, "
             f"{self.invocations} decoder invocations, mean accepted block size "
-            f"{self.mean_accepted_block():.3f}, accepted block sizes {{{histogram}}}"
+            f"{self.mean_accepted_block():.3f}, accepted block sizes {histogram(self.accepted)}"
         )
+        if self.widths:
+            summary += f", block widths chosen {histogram(self.widths)}"
+        return summary
+
+
+def histogram(counts):
+    """A Counter of sizes as `{1:12 2:5}`."""
+    return "{" + " ".join(f"{size}:{counts[size]}" for size in sorted(counts)) + "}"
 
 
 class Batch:
@@ -314,6 +336,8 @@ class BlockwiseGenerator(nn.Module):
                 lprobs, block, self.score(batch), limit, tree
             )
             path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
+            if n > 1:
+                self.accepted_block(n, kept, limit)
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
@@ -345,6 +369,9 @@ class BlockwiseGenerator(nn.Module):
         Returns the accepted node b, the outputs it keeps b (its depth + 1), then commit's
         outputs b x D+1, output_scores b x D+1, added b and finished b, along its path.
         """
+        if block.size(1) == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
+            outputs, output_scores, added, finished = greedy_step(lprobs, score, self.eos)
+            return torch.zeros_like(added), added, outputs, output_scores, added, finished
         # 2. Verify the candidates with head 1, 3. accept the deepest agreeing path.
         candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk, tree)
         if self.distance > 0:  # a chain (tree refused): node j lies at depth j
@@ -403,7 +430,8 @@ class BlockwiseGenerator(nn.Module):
         if self.temperature != 1.0:
             logits.div_(self.temperature)
         lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
-        lprobs.masked_fill_(lprobs.isnan(), -math.inf)
+        # One pass over b x n x V (isnan then masked_fill: two passes and a boolean tensor).
+        torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         lprobs[..., self.pad] = -math.inf
         lprobs[..., self.unk] -= self.unk_penalty
         at_max_len = steps >= max_len
@@ -432,19 +460,26 @@ class BlockwiseGenerator(nn.Module):
                 prefix[0, start + 1 : start + 1 + depth] = block[row, tree.paths[j, 1 : depth + 1]]
                 lprobs[row, j] = self.repeat_ngram_blocker(prefix, lprobs[row, j : j + 1], 1, 1, start + depth)[0]
 
+    def block_width(self, batch_size):
+        """The next block's depth, its first token included (--blockwise-adaptive chooses it)."""
+        return self.layout.max_depth + 1
+
+    def accepted_block(self, width, kept, limit):
+        """Hook: a block of `width` kept `kept` (b) tokens where `limit` (b) were allowed."""
+
     def propose(self, features, sentence, tokens, length):
         """Heads 2..k at the last accepted position: features b x C -> tokens b x w x topn.
 
         Each head's `topn` best tokens, best first, topn being what the block's tree
-        uses (1 for the chain). w is k-1, or less under --blockwise-confidence
-        (confident_width), since every block position costs decoder and projection
-        work whether or not it is accepted. The heads need only `features`; the batch's
-        sentence ids, tokens (b x L) and lengths (b) are there for proposal models that
-        read the prefix (the tests' oracles).
+        uses (1 for the chain). w is block_width() - 1, or less under
+        --blockwise-confidence (confident_width), since every block position costs
+        decoder and projection work whether or not it is accepted. The heads need only
+        `features`; the batch's sentence ids, tokens (b x L) and lengths (b) are there
+        for proposal models that read the prefix (the tests' oracles).
         """
         heads = self.model.decoder.heads
-        layout = self.layout
-        proposals, lprobs = heads.propose(features, layout.max_depth + 1, self.proposal_vocab, layout.topn)
+        width = self.block_width(features.size(0))
+        proposals, lprobs = heads.propose(features, width, self.proposal_vocab, self.layout.topn)
         if self.log_confidence == -math.inf:
             return proposals
         return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]

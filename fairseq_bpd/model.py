@@ -90,11 +90,12 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """Logits of a few positions at a time, for decoding: ... x C -> ... x N.
 
         N is the first `vocab` dictionary entries, or all of them (vocab 0).
-        Computed as W·xᵀ, not x·Wᵀ as nn.Linear does: for a handful of rows MKL's
-        x·Wᵀ re-packs the whole projection on every call, and on the 2-core CPU
-        W·xᵀ cut decoding time by 10% at k=8 (batch 1 and 32 alike). Either rounds
-        differently from fairseq's one-row step, which is why exactness is tested
-        in float64.
+        Under 32 rows computed as W·xᵀ, not x·Wᵀ as nn.Linear does: for a handful of
+        rows MKL's x·Wᵀ re-packs the whole projection on every call, and on the 2-core
+        CPU W·xᵀ cut decoding time by 10% at k=8 and batch 1. From 32 rows on, x·Wᵀ:
+        W·xᵀ's result must be transposed into rows, a copy that at 256 rows (batch 32,
+        k=8, 7,936 types) took longer than the product itself. Both round differently
+        from fairseq's one-row step, which is why exactness is tested in float64.
         """
         projection = self.output_projection
         plain = type(projection) is nn.Linear and projection.bias is None
@@ -106,6 +107,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
         weight = projection.weight
         weight = weight[:vocab] if vocab else weight
         rows = x.reshape(-1, x.size(-1))
+        if rows.size(0) >= 32:
+            return nn.functional.linear(x, weight)
         return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.size(0))
 
     def forward(
@@ -163,10 +166,12 @@ class BlockwiseDecoder(TransformerDecoderBase):
             x = self.layernorm_embedding(x)
         x = self.dropout_module(x).transpose(0, 1)
 
-        if self_attn_mask is None:
-            self_attn_mask = self.buffered_future_mask(x)
-        full_mask = x.new_zeros(n, self.cache_width(incremental_state) + n)
-        full_mask[:, -n:] = self_attn_mask
+        full_mask = None  # a single token sees the whole prefix and itself, as in fairseq's step
+        if n > 1:
+            if self_attn_mask is None:
+                self_attn_mask = self.buffered_future_mask(x)
+            full_mask = x.new_zeros(n, self.cache_width(incremental_state) + n)
+            full_mask[:, -n:] = self_attn_mask
         enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None
         padding_mask = (
             encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
@@ -197,6 +202,11 @@ class BlockwiseDecoder(TransformerDecoderBase):
         buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
         return buffer["prev_key"].size(2) if "prev_key" in buffer else 0
 
+    def prefixes_fill(self, incremental_state, cached, width):
+        """Whether every sentence's cached prefix (cached, b) fills the `width` columns before the block."""
+        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
+        return buffer.get("prev_key_padding_mask") is None or bool((cached == width).all())
+
     def crop_cache(self, incremental_state, cached, block_width, keep, kept):
         """Keep, after each sentence's cached prefix, only the chosen entries of the last block.
 
@@ -209,30 +219,37 @@ class BlockwiseDecoder(TransformerDecoderBase):
         (fairseq's attention reads it with the cache). Returns cached + kept.
         """
         lengths = cached + kept
-        width = int(lengths.max())
         old_width = self.cache_width(incremental_state) - block_width
+        if self.prefixes_fill(incremental_state, cached, old_width):
+            if block_width == 1:
+                return lengths  # a block of one is kept whole, right after the prefixes: nothing to move
+            count = int(kept.min())
+            chain = bool((keep[:, :count] == torch.arange(count, device=keep.device)).all())
+            if count == int(kept.max()) and chain:
+                # Every sentence keeps the first `count` block entries (always so at batch 1): cut the tail.
+                self.rewrite_cache(incremental_state, old_width + count)
+                return lengths
+        width = int(lengths.max())
         columns = torch.arange(width, device=cached.device).unsqueeze(0)  # 1 x W'
-        # Sentences that all keep the same leading block entries after a full-width
-        # prefix (a chain, mostly) need no gather: cut the tail.
-        uniform = bool((cached == old_width).all() and (lengths == width).all()) and bool(
-            (keep[:, : width - old_width] == columns[:, : width - old_width]).all()
-        )
-        if not uniform:
-            from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
-            index = torch.where(columns < cached[:, None], columns, old_width + keep.gather(1, from_block))
-            padding = columns >= lengths[:, None]  # b x W'; hidden, whatever index holds there
+        from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
+        index = torch.where(columns < cached[:, None], columns, old_width + keep.gather(1, from_block))
+        self.rewrite_cache(incremental_state, width, index, padding=columns >= lengths[:, None])
+        return lengths
+
+    def rewrite_cache(self, incremental_state, width, index=None, padding=None):
+        """Every layer's self-attention cache becomes its first `width` columns, or, given
+        index (b x width), those columns per sentence, `padding` (b x width) hiding the rest."""
         for layer in self.layers:
             buffer = layer.self_attn._get_input_buffer(incremental_state)
             for key in ("prev_key", "prev_value"):
                 cache = buffer[key]  # b x heads x W+n x d
-                if uniform:
+                if index is None:
                     buffer[key] = cache[:, :, :width]
                 else:
                     expanded = index[:, None, :, None].expand(-1, cache.size(1), -1, cache.size(3))
                     buffer[key] = cache.gather(2, expanded)
-            buffer["prev_key_padding_mask"] = None if uniform else padding
+            buffer["prev_key_padding_mask"] = padding
             layer.self_attn._set_input_buffer(incremental_state, buffer)
-        return lengths
 
     def position_table(self, size):
         """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal)."""

@@ -158,7 +158,8 @@ def sampling_problem(args, cfg):
     for flag, value, default in (("--blockwise-topk", cfg.blockwise_topk, 1),
                                  ("--blockwise-min-block", cfg.blockwise_min_block, 1),
                                  ("--blockwise-tree", cfg.blockwise_tree, 0),
-                                 ("--blockwise-distance", cfg.blockwise_distance, 0)):
+                                 ("--blockwise-distance", cfg.blockwise_distance, 0),
+                                 ("--blockwise-adaptive", cfg.blockwise_adaptive, False)):
         if value != default:
             return (f"{flag} must be {default} with --sampling, which draws exactly from fairseq's "
                     f"distribution (got {value})")

@@ -11,6 +11,7 @@ from fairseq.dataclass.configs import GenerationConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from .adaptive import AdaptiveBlockwiseGenerator
 from .errors import BlockwiseRequestError
 from .generator import BlockwiseGenerator, BlockwiseStats, symbol_numbers
 from .model import BlockwiseDecoder, shortlist_problem
@@ -69,6 +70,15 @@ class TranslationBlockwiseConfig(TranslationConfig):
             "help": "accept a proposal whose value differs from head 1's choice by at "
             "most E, for target dictionaries of numbers such as pixel intensities "
             "(the paper's image super-resolution used 2; 0: exactly greedy)"
+        },
+    )
+    blockwise_adaptive: bool = field(
+        default=False,
+        metadata={
+            "help": "choose each block's width (1 to --block-size) for the most accepted "
+            "tokens per second, from this run's acceptance rate of each head and the "
+            "measured time of invocations by width and batch size; width 1 runs no "
+            "proposal heads, as fast as greedy. Output stays exactly greedy"
         },
     )
     blockwise_proposal_vocab: int = field(
@@ -191,6 +201,8 @@ class TranslationBlockwiseTask(TranslationTask):
     ):
         self.check_generation_options(args)
         if not self.cfg.blockwise:
+            if self.cfg.blockwise_adaptive:
+                raise BlockwiseRequestError("--blockwise-adaptive chooses blockwise block widths: it needs --blockwise")
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
@@ -206,7 +218,9 @@ class TranslationBlockwiseTask(TranslationTask):
         if getattr(args, "sampling", False):
             sampling = {"sampling_topk": getattr(args, "sampling_topk", -1),
                         "sampling_topp": getattr(args, "sampling_topp", -1.0)}
-        return (SpeculativeSampler if sampling else BlockwiseGenerator)(
+        generator_class = (SpeculativeSampler if sampling
+                           else AdaptiveBlockwiseGenerator if self.cfg.blockwise_adaptive else BlockwiseGenerator)
+        return generator_class(
             models[0],
             self.target_dictionary,
             block_size=self.cfg.block_size or decoder.block_size,
@@ -308,6 +322,11 @@ class TranslationBlockwiseTask(TranslationTask):
         if not 0 <= self.cfg.blockwise_confidence <= 1:
             refuse(f"--blockwise-confidence must be between 0 and 1 (got {self.cfg.blockwise_confidence})")
         self.check_distance(refuse)
+        if self.cfg.blockwise_adaptive:
+            for flag, given_value in (("--blockwise-tree", self.cfg.blockwise_tree),
+                                      ("--blockwise-distance", self.cfg.blockwise_distance)):
+                if given_value:  # --sampling: sampling_problem
+                    refuse(f"--blockwise-adaptive chooses the width of a greedy chain; drop {flag}")
         problem = shortlist_problem("--blockwise-proposal-vocab", self.cfg.blockwise_proposal_vocab,
                                     self.target_dictionary)
         if problem:

@@ -27,14 +27,14 @@ class Oracle(BlockwiseGenerator):
         self.references, self.agree = references, agree
 
     def propose(self, features, sentence, tokens, length):
-        rows = []
+        rows, width = [], self.block_width(len(sentence))
         for s, t in zip(sentence.tolist(), length.tolist()):
-            ref = self.references[s].tolist() + [self.eos] * self.block_size
-            row = ref[t : t + self.block_size - 1]
+            ref = self.references[s].tolist() + [self.eos] * width
+            row = ref[t : t + width - 1]
             if not (self.agree(s) if callable(self.agree) else self.agree):
                 row = [4 + (x - 3) % 20 for x in row]  # never the reference, never a special
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long).view(len(rows), self.block_size - 1, 1)
+        return torch.tensor(rows, dtype=torch.long).view(len(rows), width - 1, 1)
 
 
 def blockwise(model, task, sample, block_size, generator_class=BlockwiseGenerator, **options):

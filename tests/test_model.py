@@ -175,10 +175,11 @@ def test_freeze_base_with_nothing_to_train_is_refused(data_dir):
 def test_project_is_the_output_layer_and_keeps_hooks(data_dir):
     _, model, _ = build(data_dir, "--block-size", "3")
     decoder = model.decoder
-    x = torch.randn(2, 5, 16, dtype=torch.float64)
-    full = decoder.output_layer(x)
-    assert torch.allclose(decoder.project(x), full, atol=1e-12)
-    assert torch.allclose(decoder.project(x, 9), full[..., :9], atol=1e-12)
+    for rows in (2, 8):  # 10 rows: W·xᵀ; 40 rows: x·Wᵀ
+        x = torch.randn(rows, 5, 16, dtype=torch.float64)
+        full = decoder.output_layer(x)
+        assert torch.allclose(decoder.project(x), full, atol=1e-12)
+        assert torch.allclose(decoder.project(x, 9), full[..., :9], atol=1e-12)
     # A hooked projection (here: EOS pushed up) is run as a module, hook and all.
     eos = decoder.dictionary.eos()
     decoder.output_projection.register_forward_hook(lambda module, inputs, out: out + 100.0 * (torch.arange(out.size(-1)) == eos))

@@ -1,0 +1,232 @@
+"""--blockwise-adaptive: the width choice from hand-made rates and costs, and greedy output whatever it picks."""
+import numpy as np
+import pytest
+
+from conftest import build, random_sample
+from test_generator import Oracle, assert_same, blockwise, greedy
+
+from fairseq_bpd.errors import BlockwiseRequestError
+from fairseq_bpd.adaptive import (
+    AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, expected_tokens, nonnegative_solve,
+)
+
+
+def test_expected_tokens_multiply_the_conditional_rates():
+    assert expected_tokens(np.array([0.5, 0.5, 0.0])).tolist() == [1.0, 1.5, 1.75, 1.75]
+    assert expected_tokens(np.ones(3)).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert expected_tokens(np.zeros(0)).tolist() == [1.0]
+
+
+def test_choose_width_maximises_tokens_per_cost():
+    expected = np.array([1.0, 1.5, 1.75, 1.75])
+    assert choose_width(expected, np.array([1.0, 1.2, 1.3, 1.6])) == 3  # 1, 1.25, 1.35, 1.09
+    assert choose_width(expected, np.array([1.0, 1.2, 1.4, 1.6])) == 2  # 1, 1.25, 1.25, 1.09: ties go narrower
+    assert choose_width(expected, np.array([1.0, 1.6, 1.8, 2.0])) == 1  # proposals cost more than they bring
+    assert choose_width(expected, np.array([1.0, 1.0, 1.0, 1.0])) == 3  # width 4 adds nothing
+    assert choose_width(expected, np.array([1.0, 1.2, 0.0, 1.6])) == 3  # never timed: tried first
+
+
+def test_invocation_cost_recovers_a_linear_cost():
+    def seconds(width, b):  # lean: 2 ms + 0.1 ms a sentence; a block: 3 ms + 0.2 ms a sentence + 0.05 ms a row
+        return 2e-3 + 1e-4 * b if width == 1 else 3e-3 + 2e-4 * b + 5e-5 * b * width
+
+    cost = InvocationCost()
+    assert cost.predict(np.arange(1, 9), 4).tolist() == [0.0] * 8  # nothing timed yet
+    for b in (32, 31, 29, 20, 5):
+        for width in (1, 2, 5, 8):
+            cost.update(width, b, seconds(width, b))
+    for b in (1, 16, 64):  # unseen batch sizes and widths too
+        assert np.allclose(cost.predict(np.arange(1, 9), b), [seconds(w, b) for w in range(1, 9)], rtol=1e-4)
+
+
+def test_invocation_cost_follows_the_load_and_forgets_untimed_widths():
+    cost = InvocationCost(forgetting=0.9)
+    for _ in range(50):
+        cost.update(1, 1, 2e-3)
+        cost.update(4, 1, 4e-3)
+    for _ in range(50):  # the machine got busier
+        cost.update(1, 1, 4e-3)
+        cost.update(4, 1, 8e-3)
+    assert np.allclose(cost.predict(np.array([1, 2, 3, 4]), 1)[[0, 3]], [4e-3, 8e-3], rtol=1e-3)
+    for _ in range(400):  # width 1 only: the block's fit fades to the ridge's 0, which gets it tried again
+        cost.update(1, 1, 4e-3)
+    assert cost.coefficients[:2].sum() == pytest.approx(4e-3)  # the lean path at batch 1, still known
+    costs = cost.predict(np.arange(1, 5), 1)
+    assert costs[3] < 1e-6
+    assert choose_width(np.array([1.0, 1.01, 1.02, 1.03]), costs) > 1
+
+
+def test_acceptance_rates_count_each_proposal_given_its_predecessors():
+    rates = AcceptanceRates(4)  # k=5: proposals 1..4, one pass in one try each to start
+    assert rates.rates().tolist() == [1.0] * 4
+    # Width 4 (3 proposals): kept 1 (proposal 1 failed), 3 (1, 2 passed, 3 failed), 4 (all passed),
+    # and 2 with limit 2 (proposal 1 passed; proposal 2 could not have been kept).
+    rates.update(4, np.array([1, 3, 4, 2]), np.array([4, 4, 4, 2]))
+    assert rates.tried.tolist() == [1 + 4, 1 + 2, 1 + 2, 1]
+    assert rates.passed.tolist() == [1 + 3, 1 + 2, 1 + 1, 1]
+
+
+class Widths(AdaptiveBlockwiseGenerator):
+    """Records the widths chosen, in order; a FakeClock reads the block under way."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.clock, FakeClock):
+            self.clock.generator = self
+
+    def block_width(self, batch_size):
+        self.chosen = getattr(self, "chosen", []) + [super().block_width(batch_size)]
+        return self.chosen[-1]
+
+
+class AdaptiveOracle(Oracle, Widths):
+    pass
+
+
+class FixedCost:
+    """Hand-made invocation costs by width: 1 for the lean path, 1.25 + 0.25 a row beyond 2."""
+
+    def update(self, width, batch_size, seconds):
+        pass
+
+    def predict(self, widths, batch_size):
+        return np.where(widths == 1, 1.0, 1.0 + 0.25 * (widths - 1))
+
+
+@pytest.mark.parametrize("cost", [FixedCost, InvocationCost])
+@pytest.mark.parametrize("bsz", [1, 64])
+@pytest.mark.parametrize("agree", [True, False])
+def test_adaptive_widths_give_greedy_output_and_settle(data_dir, bsz, agree, cost):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=4)
+    sample = random_sample(task, bsz=bsz, seed=4)
+    expected = greedy(model, task, sample, max_len_b=30)
+    references = [e["tokens"] for e in expected]
+    hypos, generator = blockwise(model, task, sample, 5, AdaptiveOracle, max_len_b=30,
+                                 references=references, agree=agree, cost=cost())
+    assert_same(expected, hypos)
+    widths = generator.stats.widths
+    assert sum(widths.values()) == len(generator.chosen)
+    if cost is InvocationCost:
+        return  # measured costs: any widths, but still greedy's output
+    if agree:  # every proposal passes: the full block pays most
+        assert set(generator.chosen) == {5}
+        assert generator.stats.mean_accepted_block() > 4
+    else:  # no proposal passes: it settles on width 1, one token per invocation as greedy
+        tail = generator.chosen[len(generator.chosen) // 4:]
+        assert set(tail) == {1}
+        assert widths[1] > 0.75 * len(generator.chosen)
+        assert all(h[0]["steps"] == len(e["tokens"]) for h, e in zip(hypos, expected))
+
+
+@pytest.mark.parametrize("bsz", [1, 64])
+def test_adaptive_with_the_model_heads_is_greedy(data_dir, bsz):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=6)
+    sample = random_sample(task, bsz=bsz, seed=6)
+    generator = Widths(model, task.target_dictionary, block_size=4, max_len_b=20)
+    for _ in range(2):  # rates and costs carry over to the next batch
+        assert_same(greedy(model, task, sample), generator.generate([model], sample))
+    assert "block widths chosen {" in generator.stats.summary()
+    assert set(generator.chosen) <= {1, 2, 3, 4}
+
+
+def test_nonnegative_solve_fixes_negative_coefficients_at_zero():
+    assert nonnegative_solve(np.eye(5), np.array([1.0, -1, 2, 0, -3])).tolist() == [1, 0, 2, 0, 0]
+    assert nonnegative_solve(np.eye(5), -np.ones(5)).tolist() == [0] * 5
+    # Coupled: y = 1 at x = (1, 1) and y = 3 at x = (1, 2) fit as -1 + 2x; clamped, all on x.
+    x = np.array([[1.0, 1, 0, 0, 0], [1, 2, 0, 0, 0]])
+    gram = x.T @ x + 1e-9 * np.eye(5)
+    solved = nonnegative_solve(gram, x.T @ np.array([1.0, 3.0]))
+    assert solved[0] == 0 and solved[1] == pytest.approx(7 / 5)
+
+
+def test_invocation_cost_never_extrapolates_below_zero_or_upwards():
+    cost = InvocationCost()
+    # Noisy timings at batch sizes alike: a plain least-squares fit gives the per-sentence
+    # term a large slope and the intercept a large negative value.
+    for b, seconds in ((32, 0.20), (31, 0.40), (32, 0.21), (30, 0.19)):
+        cost.update(3, b, seconds)
+    small = cost.predict(np.array([2, 3, 8]), 1)
+    assert (cost.coefficients >= 0).all()
+    assert (small >= 0).all() and small[1] <= 0.4
+
+
+def test_no_width_is_predicted_dearer_than_a_wider_one():
+    cost = InvocationCost()
+    for _ in range(3):
+        cost.update(1, 32, 0.1)  # the lean path timed at batch 32 only: its fit is all intercept
+        cost.update(6, 1, 0.05)
+        cost.update(6, 32, 0.3)
+    costs = cost.predict(np.arange(1, 9), 1)
+    assert (np.diff(costs) >= 0).all() and costs[0] <= 0.05 + 1e-9
+
+
+def test_the_task_builds_the_adaptive_generator_and_refuses_it_without_blockwise(data_dir):
+    task, model, args = build(data_dir, "--block-size", "4", "--blockwise", "--blockwise-adaptive")
+    assert isinstance(task.build_generator([model], args), AdaptiveBlockwiseGenerator)
+    task, model, args = build(data_dir, "--block-size", "4", "--blockwise-adaptive")
+    with pytest.raises(ValueError, match="--blockwise-adaptive .* needs --blockwise"):
+        task.build_generator([model], args)
+
+
+def test_adaptive_with_a_confidence_cut_is_greedy_and_times_the_cut_width(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=3)
+    sample = random_sample(task, bsz=7, seed=3)
+    timed = []
+
+    class Recorded(InvocationCost):
+        def update(self, width, batch_size, seconds):
+            timed.append(width)
+            super().update(width, batch_size, seconds)
+
+    generator = Widths(model, task.target_dictionary, block_size=5, confidence=0.3, max_len_b=20, cost=Recorded())
+    assert_same(greedy(model, task, sample), generator.generate([model], sample))
+    assert any(t < c for t, c in zip(timed, generator.chosen))  # some chosen blocks were cut
+
+
+def test_one_preempted_invocation_barely_moves_the_cost():
+    cost = InvocationCost()
+    for _ in range(50):
+        cost.update(4, 1, 4e-3)
+    cost.update(4, 1, 0.4)  # descheduled for a time slice
+    assert cost.predict(np.arange(1, 5), 1)[3] < 4.2e-3
+    for _ in range(100):  # a lasting slow-down comes through
+        cost.update(4, 1, 7e-3)
+    assert cost.predict(np.arange(1, 5), 1)[3] == pytest.approx(7e-3, rel=0.05)
+
+
+class FakeClock:
+    """Advances, at each reading, by a hand-made cost of the block the generator has under way."""
+
+    def __init__(self):
+        self.now, self.generator = 0.0, None
+
+    def __call__(self):
+        if self.generator.timing is not None:
+            width, b, _ = self.generator.timing
+            self.now += 2e-3 + 1e-4 * b if width == 1 else 3e-3 + 1e-4 * b + 1e-4 * b * width
+        return self.now
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_measured_costs_settle_as_hand_made_ones(data_dir, agree):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=4)
+    sample = random_sample(task, bsz=16, seed=4)
+    expected = greedy(model, task, sample, max_len_b=30)
+    clock = FakeClock()
+    hypos, generator = blockwise(model, task, sample, 5, AdaptiveOracle, max_len_b=30,
+                                 references=[e["tokens"] for e in expected], agree=agree, clock=clock)
+    assert_same(expected, hypos)
+    tail = generator.chosen[len(generator.chosen) // 2:]
+    assert set(tail) == ({5} if agree else {1})
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--blockwise-tree", "4"], "drop --blockwise-tree"),
+    (["--sampling"], "--blockwise-adaptive must be False with --sampling"),
+])
+def test_adaptive_refuses_what_is_no_greedy_chain(data_dir, flags, message):
+    task, model, args = build(data_dir, "--block-size", "4", "--blockwise", "--blockwise-adaptive",
+                              *[f for f in flags if f != "--sampling"])
+    args.sampling = "--sampling" in flags
+    with pytest.raises(BlockwiseRequestError, match=message):
+        task.build_generator([model], args)
