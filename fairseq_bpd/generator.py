@@ -329,12 +329,13 @@ class BlockwiseGenerator(nn.Module):
 
         n is k, or less under --blockwise-confidence (confident_width), since every
         block position costs decoder and projection work whether or not it is accepted.
-        The heads need only `features`; the batch's sentence ids, tokens (b x L) and
-        lengths (b) are there for proposal models that read the prefix (the tests'
-        oracles).
+        Chained heads also read the last committed token (head 1's choice after
+        `features`); the batch's sentence ids, tokens (b x L) and lengths (b) are there
+        for proposal models that read the prefix (the tests' oracles).
         """
         heads = self.model.decoder.heads
-        proposals, lprobs = heads.propose(features, self.block_size, self.proposal_vocab)  # b x k-1 x 1
+        first = tokens.gather(1, length[:, None])[:, 0]  # b: head 1's choice after `features`
+        proposals, lprobs = heads.propose(features, self.block_size, self.proposal_vocab, token=first)  # b x k-1 x 1
         proposals = proposals[..., 0]
         if self.log_confidence == -math.inf:
             return proposals
