@@ -170,3 +170,13 @@ def test_independent_checkpoint_loads_with_fresh_chained_heads(data_dir):
         if ".heads." not in key:
             assert torch.equal(model.state_dict()[key], value), key
     assert all(fc_out.weight.abs().sum() == 0 for fc_out in model.decoder.heads.fc_out)
+
+
+def test_a_config_from_before_head_type_builds_independent_heads(data_dir):
+    from conftest import parse
+    from fairseq import tasks
+
+    args = parse(data_dir, "--block-size", "3")
+    del args.head_type  # as in checkpoints saved before --head-type existed
+    model = tasks.setup_task(args).build_model(args)
+    assert args.head_type == "independent" and type(model.decoder.heads) is ProposalHeads
