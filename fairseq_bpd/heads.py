@@ -4,7 +4,8 @@ Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
 Models", NeurIPS 2018, section 6: one feed-forward layer (hidden k*d_ffn, output
 k*d_model) after the decoder; slice i plus a residual from the decoder output is
 projected by the decoder's own output projection and predicts the token i steps ahead.
-A new head architecture is a sibling class here with the same `propose()`.
+A new head architecture is a sibling class here with the same `propose()`:
+ChainedHeads (--head-type chained) tells each head the token the head before it predicts.
 """
 import math
 
