@@ -474,12 +474,14 @@ class BlockwiseGenerator(nn.Module):
         uses (1 for the chain). w is block_width() - 1, or less under
         --blockwise-confidence (confident_width), since every block position costs
         decoder and projection work whether or not it is accepted. The heads need only
-        `features`; the batch's sentence ids, tokens (b x L) and lengths (b) are there
+        `features`, and chained heads the last committed token (head 1's choice after
+        `features`); the batch's sentence ids, tokens (b x L) and lengths (b) are there
         for proposal models that read the prefix (the tests' oracles).
         """
         heads = self.model.decoder.heads
         width = self.block_width(features.size(0))
-        proposals, lprobs = heads.propose(features, width, self.proposal_vocab, self.layout.topn)
+        first = tokens.gather(1, length[:, None])[:, 0]  # b: head 1's choice after `features`
+        proposals, lprobs = heads.propose(features, width, self.proposal_vocab, self.layout.topn, token=first)
         if self.log_confidence == -math.inf:
             return proposals
         return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]

@@ -4,13 +4,17 @@ Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
 Models", NeurIPS 2018, section 6: one feed-forward layer (hidden k*d_ffn, output
 k*d_model) after the decoder; slice i plus a residual from the decoder output is
 projected by the decoder's own output projection and predicts the token i steps ahead.
-A new head architecture is a sibling class here with the same `propose()`.
+A new head architecture is a sibling class here with the same `propose()`:
+ChainedHeads (--head-type chained) tells each head the token the head before it predicts.
 """
 import math
 
 import torch
 from torch import nn
 from fairseq import utils
+
+from .criterion import shift_target
+from .errors import BlockwiseRequestError
 
 
 def shortlist_problem(flag, vocab, dictionary):
@@ -58,8 +62,11 @@ class ProposalHeads(nn.Module):
         h = self.dropout(nn.functional.linear(hidden, self.fc2.weight[:rows], self.fc2.bias[:rows]))
         return x.unsqueeze(-2) + h.view(*x.shape[:-1], count, x.size(-1))
 
-    def block_features(self, x, count=None):
-        """Features of the first `count` heads (default all k): ... x C -> ... x count x C."""
+    def block_features(self, x, count=None, inputs=None):
+        """Features of the first `count` heads (default all k): ... x C -> ... x count x C.
+
+        inputs (the decoder's input tokens) is for heads that read tokens (ChainedHeads).
+        """
         count = self.block_size if count is None else count
         if self.num_heads == 0 or count == 1 and self.layout == "base":
             return x.unsqueeze(-2)
@@ -74,21 +81,16 @@ class ProposalHeads(nn.Module):
         return self.block_features(x, 1)[..., 0, :]
 
     def proposal_logits(self, x):
-        """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab.
+        """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
+        return shortlist_logits(self.decoder, x)
 
-        The shortlist is a view of the projection's first rows, no copy.
-        """
-        decoder = self.decoder
-        if not decoder.head_vocab:
-            return decoder.output_layer(x)
-        return nn.functional.linear(x, decoder.output_projection.weight[: decoder.head_vocab])
-
-    def propose(self, features, count, vocab=0, topn=1):
+    def propose(self, features, count, vocab=0, topn=1, token=None):
         """Heads 2..count after one position: their `topn` best tokens, best first.
 
         features: b x C, the decoder output at the last accepted position. vocab: propose
-        among the first N dictionary entries (0: all). Returns tokens and their
-        log-probs (over that vocabulary), both b x count-1 x topn. Padding is never proposed.
+        among the first N dictionary entries (0: all). token (b, head 1's choice after
+        that position) is for heads that read it (ChainedHeads). Returns tokens and their
+        log-probs (over that vocabulary), both b x count-1 x topn.
         """
         if count <= 1:
             empty = features.new_empty(features.size(0), 0, topn)
@@ -99,9 +101,137 @@ class ProposalHeads(nn.Module):
     def logits(self, features, count, vocab=0):
         """Heads 2..count after one position: features b x C -> logits b x count-1 x N.
 
-        N is `vocab` (0: the dictionary). Padding gets -inf: in a block it would read as padding.
+        N is `vocab` (0: the dictionary). Padding gets -inf (speculative sampling draws
+        from these).
         """
         heads = self.block_features(features, count)[:, 1:]  # b x count-1 x C
-        logits = self.decoder.project(heads, vocab)  # b x count-1 x N
-        logits[..., self.decoder.padding_idx] = -math.inf
-        return logits
+        return decoding_logits(self.decoder, heads, vocab)
+
+
+def shortlist_logits(decoder, x):
+    """Training logits over the decoder's --head-vocab shortlist: ... x C -> ... x N.
+
+    The shortlist is a view of the projection's first rows, no copy.
+    """
+    if not decoder.head_vocab:
+        return decoder.output_layer(x)
+    return nn.functional.linear(x, decoder.output_projection.weight[: decoder.head_vocab])
+
+
+def decoding_logits(decoder, features, vocab):
+    """Decoding logits of proposal features over the first `vocab` entries (0: all): ... x C -> ... x N.
+
+    Padding is never proposed: in a block it would read as padding.
+    """
+    logits = decoder.project(features, vocab)  # ... x N
+    logits[..., decoder.padding_idx] = -math.inf
+    return logits
+
+
+def best_tokens(decoder, features, vocab, topn):
+    """The `topn` best tokens of proposal features and their log-probs: ... x C -> ... x topn."""
+    lprobs, tokens = decoding_logits(decoder, features, vocab).log_softmax(dim=-1).topk(topn, dim=-1)
+    return tokens, lprobs
+
+
+def following_tokens(inputs, pad, eos):
+    """The token after each decoder input, as fairseq's targets: B x T -> B x T.
+
+    fairseq feeds the target rotated right (EOS first), so the target is the input
+    shifted left, EOS after the last real token and pad on padding (either side).
+    """
+    following = inputs.new_full(inputs.shape, pad)
+    following[:, :-1] = inputs[:, 1:]
+    real = inputs.ne(pad)
+    following = following.masked_fill(real & following.eq(pad), eos)
+    return following.masked_fill(~real, pad)
+
+
+class ChainedHeads(nn.Module):
+    """Heads 2..k in a chain, each told the token the head before it predicts.
+
+    Ankner et al., "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding",
+    2024: the paper's heads guess their tokens independently, so head 3 cannot know
+    which word head 2 chose. Head i (i >= 2) reads head i-1's features f and the
+    embedding of head i-1's token y: f_i = f + W2_i act(W1_i [f; E y]), f_1 the decoder
+    output (head 1, the base layout only). y is the reference in training (teacher
+    forcing) and head i-1's proposal in decoding, so proposals are made one head after
+    another: k-1 small steps over the shortlist, no extra decoder pass. W2_i starts at
+    zero, so every head starts as the base's next-token head. The embedding table and
+    output projection are the decoder's, reached through `decoder` (not registered).
+    """
+
+    def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
+        super().__init__()
+        if layout != "base":
+            raise BlockwiseRequestError("--head-type chained needs --head-layout base: head 1 is the decoder's own output")
+        self.__dict__["decoder"] = decoder  # not registered: no second copy in state_dict
+        self.block_size, self.layout = block_size, layout
+        embed_dim, token_dim = decoder.output_embed_dim, decoder.embed_tokens.embedding_dim
+        links = range(block_size - 1)
+        self.fc_in = nn.ModuleList([nn.Linear(embed_dim + token_dim, ffn_dim) for _ in links])
+        self.fc_out = nn.ModuleList([nn.Linear(ffn_dim, embed_dim) for _ in links])
+        self.activation_fn = utils.get_activation_fn(activation_fn)
+        self.dropout = nn.Dropout(dropout)
+        for fc_in, fc_out in zip(self.fc_in, self.fc_out):
+            nn.init.xavier_uniform_(fc_in.weight)
+            nn.init.zeros_(fc_in.bias)
+            nn.init.zeros_(fc_out.weight)
+            nn.init.zeros_(fc_out.bias)
+
+    def link(self, i, features, tokens):
+        """Head i+2's features from head i+1's: features ... x C, tokens ... -> ... x C."""
+        embedded = self.decoder.embed_scale * self.decoder.embed_tokens(tokens)  # ... x E
+        hidden = self.activation_fn(self.fc_in[i](torch.cat([features, embedded], dim=-1)))
+        return features + self.dropout(self.fc_out[i](hidden))
+
+    def block_features(self, x, count=None, inputs=None):
+        """Teacher-forced features of the first `count` heads: x B x T x C -> B x T x count x C.
+
+        inputs: B x T, the decoder's input tokens; head i+1 reads the reference token
+        head i predicts (i steps after each input).
+        """
+        count = self.block_size if count is None else count
+        features = [x]
+        if count > 1:
+            if inputs is None:
+                raise ValueError("chained heads need the decoder's input tokens")
+            decoder = self.decoder
+            following = following_tokens(inputs, decoder.padding_idx, decoder.dictionary.eos())
+            for i in range(count - 1):
+                features.append(self.link(i, features[-1], shift_target(following, i, decoder.padding_idx)))
+        return torch.stack(features, dim=-2)
+
+    def head1_features(self, x):
+        """Head 1 is the decoder's own output: ... x C -> ... x C."""
+        return x
+
+    def proposal_logits(self, x):
+        """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
+        return shortlist_logits(self.decoder, x)
+
+    def propose(self, features, count, vocab=0, topn=1, token=None):
+        """Heads 2..count after one position, one after another: `topn` best tokens each.
+
+        features: b x C, the decoder output at the last accepted position; token: b, head
+        1's choice after it (the block's first token). Each head reads its predecessor's
+        best token, so with topn > 1 the alternatives all follow the best chain.
+        Returns tokens and their log-probs (over the first `vocab` entries, 0: all),
+        both b x count-1 x topn.
+        """
+        if count > 1 and token is None:
+            raise ValueError("chained heads propose after head 1's token: pass token=")
+        tokens, lprobs = [], []
+        for i in range(count - 1):
+            features = self.link(i, features, token)  # b x C
+            best, best_lprobs = best_tokens(self.decoder, features, vocab, topn)  # b x topn
+            tokens.append(best)
+            lprobs.append(best_lprobs)
+            token = best[:, 0]
+        if not tokens:
+            empty = features.new_empty(features.size(0), 0, topn)
+            return empty.long(), empty
+        return torch.stack(tokens, dim=1), torch.stack(lprobs, dim=1)
+
+
+HEAD_TYPES = {"independent": ProposalHeads, "chained": ChainedHeads}

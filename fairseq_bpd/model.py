@@ -25,7 +25,7 @@ from fairseq.models.transformer import (
 
 from .errors import BlockwiseRequestError
 from .hub import BlockwiseHubInterface
-from .heads import ProposalHeads, shortlist_problem
+from .heads import HEAD_TYPES, shortlist_problem
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,14 @@ class BlockwiseHeadsConfig(FairseqDataclass):
             "decoder's ffn size, so k*d_ffn in all); smaller keeps large k cheap"
         },
     )
+    head_type: ChoiceEnum(list(HEAD_TYPES)) = field(
+        default="independent",
+        metadata={
+            "help": "independent: the paper's heads, each guessing its token alone; "
+            "chained: head i also reads the embedding of the token head i-1 predicts "
+            "(Hydra; needs --head-layout base)"
+        },
+    )
     head_vocab: int = field(
         default=0,
         metadata={
@@ -73,7 +81,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         self.block_size = cfg.block_size
         self.head_layout = cfg.head_layout
         self.head_vocab = getattr(cfg, "head_vocab", 0) or 0
-        self.heads = ProposalHeads(
+        self.heads = HEAD_TYPES[getattr(cfg, "head_type", None) or "independent"](
             self,
             self.block_size,
             self.head_layout,
@@ -133,7 +141,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         )
         if incremental_state is None:
             # Computed here, not in the criterion, so DDP sees every head used in forward.
-            extra["block_features"] = self.heads.block_features(x)
+            extra["block_features"] = self.heads.block_features(x, inputs=prev_output_tokens)
             x = extra["block_features"][..., 0, :]
         else:
             # fairseq's own step-by-step search only needs head 1.
@@ -259,9 +267,15 @@ class BlockwiseDecoder(TransformerDecoderBase):
         return self.embed_positions(dummy)[0]
 
     def upgrade_state_dict_named(self, state_dict, name):
-        """Give a plain transformer checkpoint freshly initialised heads."""
+        """Give a plain transformer checkpoint (or one with heads of another type) fresh heads."""
         state_dict = super().upgrade_state_dict_named(state_dict, name)
         prefix = f"{name}.heads." if name else "heads."
+        own = {prefix + key for key in self.heads.state_dict()}
+        foreign = [key for key in state_dict if key.startswith(prefix) and key not in own]
+        for key in foreign:  # another --head-type's weights: nothing of them fits these heads
+            del state_dict[key]
+        if foreign:
+            logger.info(f"dropped {len(foreign)} proposal-head tensors of another head type ({prefix}*)")
         added = 0
         for key, value in self.heads.state_dict().items():
             if prefix + key not in state_dict:

@@ -15,6 +15,7 @@ import torch
 from fairseq.search import Sampling
 
 from .errors import BlockwiseRequestError
+from .heads import ProposalHeads
 from .generator import BlockwiseGenerator, commit, confident_width, running_scores
 
 
@@ -82,6 +83,9 @@ class SpeculativeSampler(BlockwiseGenerator):
         if self.topk != 1 or self.min_block != 1 or self.layout.topn != 1 or self.distance:
             raise BlockwiseRequestError("--sampling: --blockwise-topk, --blockwise-min-block and --blockwise-tree "
                                         "must keep their defaults, and --blockwise-distance 0 (lossless)")
+        if not isinstance(self.model.decoder.heads, ProposalHeads):
+            raise BlockwiseRequestError("--sampling draws from independent heads' own distributions: "
+                                        "this checkpoint's heads are --head-type chained")
         self.search = Sampling(self.model.decoder.dictionary, sampling_topk, sampling_topp)
         self.generator = generator
         self.draft = None  # b x n-1 x V: the q each pending proposal was drawn from (propose)
