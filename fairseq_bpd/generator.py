@@ -254,6 +254,11 @@ class BlockwiseGenerator(nn.Module):
         # The candidates of a block: the chain of top choices, or the best tree of `tree`
         # nodes, ranked among the tokens the heads may propose (padding never).
         heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
+        if tree and tree_rates is not None and len(tree_rates) < heads:  # else the tree silently stops short
+            raise BlockwiseRequestError(
+                f"--blockwise-tree-rates hold rates for heads 2..{len(tree_rates) + 1}, but --block-size "
+                f"{block_size} proposes with heads 2..{block_size}; measure them on this checkpoint "
+                f"(scripts/tree_rates.py) or give --block-size {len(tree_rates) + 1}")
         rates = [row[:ranks] for row in tree_rates or default_rates(heads)]
         self.layout = Tree.best(rates, tree, heads) if tree else Tree.chain_of(heads)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

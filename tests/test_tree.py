@@ -73,7 +73,10 @@ def test_rates_files_are_read_or_refused_by_name(tmp_path):
     good.write_text(json.dumps({"rates": [[0.5, 0.2], [0.3, 0.1]]}))
     assert load_rates(str(good)) == [[0.5, 0.2], [0.3, 0.1]]
     for name, text in (("missing.json", None), ("bad.json", "{"), ("empty.json", '{"rates": []}'),
-                       ("range.json", '{"rates": [[1.5]]}')):
+                       ("range.json", '{"rates": [[1.5]]}'), ("string.json", '{"rates": [["0.5"]]}'),
+                       ("null.json", '{"rates": [[0.5, null]]}'), ("nested.json", '{"rates": [[0.5], [[0.3]]]}'),
+                       ("boolean.json", '{"rates": [[true]]}'), ("nan.json", '{"rates": [[NaN]]}'),
+                       ("table.json", '{"rates": {"2": [0.5]}}')):
         if text is not None:
             (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=f"^--blockwise-tree-rates: .*{name}"):
@@ -246,6 +249,22 @@ def test_the_task_builds_the_tree_it_was_asked_for(data_dir, tmp_path):
     generator = task.build_generator([model], Namespace(beam=1))
     # .9 (0,), .5 (1,), .09 (0,0): the second choice of head 2 beats head 3's first.
     assert generator.layout.path_tuples() == [(), (0,), (1,), (0, 0)]
+
+
+def test_rates_for_fewer_heads_than_the_block_are_refused(data_dir, tmp_path):
+    """Measured on a checkpoint of fewer heads, they would silently cut the tree short."""
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"rates": [[0.9, 0.5]]}))
+    task, model, _ = build(data_dir, "--block-size", "4", "--blockwise", "--blockwise-tree", "8",
+                           "--blockwise-tree-rates", str(rates))
+    message = "^--blockwise-tree-rates hold rates for heads 2..2, but --block-size 4 proposes with heads 2..4"
+    with pytest.raises(ValueError, match=message):
+        task.build_generator([model], Namespace(beam=1))
+    task.cfg.block_size = 2  # what they cover
+    assert task.build_generator([model], Namespace(beam=1)).layout.path_tuples() == [(), (0,), (1,)]
+    task.cfg.block_size = 3
+    with pytest.raises(ValueError, match="--block-size 3 proposes with heads 2..3.* give --block-size 2$"):
+        task.build_generator([model], Namespace(beam=1))
 
 
 def test_a_tree_ranks_no_deeper_than_the_proposal_vocabulary(data_dir):
