@@ -106,6 +106,16 @@ def symbol_numbers(dictionary):
     return numbers
 
 
+def rounding_slack(a, b, distance):
+    """How far float64 may put |a - b| above `distance` when in decimal it is not: a's shape.
+
+    Symbols and E are decimals, read as the nearest float64s: 1.1 - 0.9 comes out
+    0.20000000000000007, past E = 0.2. Reading a, b and E and subtracting round by half
+    an ulp each, of at most the largest magnitude: four ulps of it cover them all.
+    """
+    return 4 * torch.finfo(torch.float64).eps * torch.maximum(a.abs(), b.abs()).clamp(min=distance)
+
+
 def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, distance):
     """How many block tokens each sentence keeps under --blockwise-distance E: b, in [1, limit].
 
@@ -114,8 +124,8 @@ def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, d
     after the tokens before it by at most E, with a finite log-prob. Shapes as accept.
     """
     proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
-    numbers = numbers.to(block.device)
-    near = (numbers[proposals] - numbers[choices]).abs() <= distance  # NaN (non-numbers): False
+    proposed, chosen = numbers.to(block.device)[proposals], numbers.to(block.device)[choices]
+    near = (proposed - chosen).abs() <= distance + rounding_slack(proposed, chosen, distance)  # NaN: False
     passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
     run = passes.long().cumprod(dim=1).sum(dim=1)
     return torch.minimum(1 + run, limit)
@@ -244,6 +254,8 @@ class BlockwiseGenerator(nn.Module):
         self.topk, self.min_block = topk, min_block
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
         # --blockwise-distance: 0 is exact; otherwise proposals are judged by their numbers.
+        if not distance >= 0:  # NaN too: it would compare as exact decoding
+            raise BlockwiseRequestError(f"--blockwise-distance must be at least 0 (got {distance})")
         if distance > 0 and (topk != 1 or min_block != 1 or tree):
             raise BlockwiseRequestError("--blockwise-distance cannot be combined with --blockwise-topk, "
                                         "--blockwise-min-block or --blockwise-tree")
