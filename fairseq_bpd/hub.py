@@ -2,6 +2,8 @@
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.hub_utils import GeneratorHubInterface
 
+from .errors import BlockwiseRequestError
+
 
 class BlockwiseHubInterface(GeneratorHubInterface):
     """GeneratorHubInterface whose translate() and generate() take no beam by default.
@@ -25,4 +27,11 @@ class BlockwiseHubInterface(GeneratorHubInterface):
 
     def generate(self, tokenized_sentences, beam=None, *args, **kwargs):
         beam = self.default_beam() if beam is None else beam
+        # fairseq sets every keyword on the generation options, which the task never
+        # reads: blockwise_tree=8 here would decode the chain without a word.
+        task_options = [k for k in kwargs if hasattr(self.task.cfg, k) and not hasattr(self.cfg.generation, k)]
+        if task_options:
+            name = task_options[0]
+            raise BlockwiseRequestError(f"{name} is a task option, fixed when the model is loaded: give it to "
+                                        f"from_pretrained(..., {name}=...), not to translate() or generate()")
         return super().generate(tokenized_sentences, beam, *args, **kwargs)
