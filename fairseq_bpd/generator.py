@@ -124,7 +124,8 @@ def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, d
     after the tokens before it by at most E, with a finite log-prob. Shapes as accept.
     """
     proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
-    proposed, chosen = numbers.to(block.device)[proposals], numbers.to(block.device)[choices]
+    numbers = numbers.to(block.device)
+    proposed, chosen = numbers[proposals], numbers[choices]
     near = (proposed - chosen).abs() <= distance + rounding_slack(proposed, chosen, distance)  # NaN: False
     passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
     run = passes.long().cumprod(dim=1).sum(dim=1)
