@@ -112,6 +112,7 @@ def rounding_slack(a, b, distance):
     Symbols and E are decimals, read as the nearest float64s: 1.1 - 0.9 comes out
     0.20000000000000007, past E = 0.2. Reading a, b and E and subtracting round by half
     an ulp each, of at most the largest magnitude: four ulps of it cover them all.
+    (Where an ulp nears E, numbers past about 1e15 * E, float64 cannot tell E apart at all.)
     """
     return 4 * torch.finfo(torch.float64).eps * torch.maximum(a.abs(), b.abs()).clamp(min=distance)
 
