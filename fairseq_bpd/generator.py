@@ -108,6 +108,17 @@ def symbol_numbers(dictionary):
     return numbers
 
 
+def rounding_slack(a, b, distance):
+    """How far float64 may put |a - b| above `distance` when in decimal it is not: a's shape.
+
+    Symbols and E are decimals, read as the nearest float64s: 1.1 - 0.9 comes out
+    0.20000000000000007, past E = 0.2. Reading a, b and E and subtracting round by half
+    an ulp each, of at most the largest magnitude: four ulps of it cover them all.
+    (Where an ulp nears E, numbers past about 1e15 * E, float64 cannot tell E apart at all.)
+    """
+    return 4 * torch.finfo(torch.float64).eps * torch.maximum(a.abs(), b.abs()).clamp(min=distance)
+
+
 def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, distance):
     """How many block tokens each sentence keeps under --blockwise-distance E: b, in [1, limit].
 
@@ -117,7 +128,8 @@ def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, d
     """
     proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
     numbers = numbers.to(block.device)
-    near = (numbers[proposals] - numbers[choices]).abs() <= distance  # NaN (non-numbers): False
+    proposed, chosen = numbers[proposals], numbers[choices]
+    near = (proposed - chosen).abs() <= distance + rounding_slack(proposed, chosen, distance)  # NaN: False
     passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
     run = passes.long().cumprod(dim=1).sum(dim=1)
     return torch.minimum(1 + run, limit)
@@ -266,6 +278,8 @@ class BlockwiseGenerator(nn.Module):
         self.topk, self.min_block = topk, min_block
         self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
         # --blockwise-distance: 0 is exact; otherwise proposals are judged by their numbers.
+        if not distance >= 0:  # NaN too: it would compare as exact decoding
+            raise BlockwiseRequestError(f"--blockwise-distance must be at least 0 (got {distance})")
         if distance > 0 and (topk != 1 or min_block != 1 or tree):
             raise BlockwiseRequestError("--blockwise-distance cannot be combined with --blockwise-topk, "
                                         "--blockwise-min-block or --blockwise-tree")
@@ -276,6 +290,11 @@ class BlockwiseGenerator(nn.Module):
         # The candidates of a block: the chain of top choices, or the best tree of `tree`
         # nodes, ranked among the tokens the heads may propose (padding never).
         heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
+        if tree and tree_rates is not None and len(tree_rates) < heads:  # else the tree silently stops short
+            raise BlockwiseRequestError(
+                f"--blockwise-tree-rates hold rates for heads 2..{len(tree_rates) + 1}, but --block-size "
+                f"{block_size} proposes with heads 2..{block_size}; measure them on this checkpoint "
+                f"(scripts/tree_rates.py) or give --block-size {len(tree_rates) + 1}")
         rates = [row[:ranks] for row in tree_rates or default_rates(heads)]
         self.layout = Tree.best(rates, tree, heads) if tree else Tree.chain_of(heads)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

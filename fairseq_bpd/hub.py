@@ -3,6 +3,7 @@ from fairseq.dataclass.configs import GenerationConfig
 from fairseq.hub_utils import GeneratorHubInterface
 
 
+
 class BlockwiseHubInterface(GeneratorHubInterface):
     """GeneratorHubInterface whose translate() and generate() take no beam by default.
 
@@ -24,5 +25,7 @@ class BlockwiseHubInterface(GeneratorHubInterface):
         return self.sample(sentences, self.default_beam() if beam is None else beam, verbose, **kwargs)
 
     def generate(self, tokenized_sentences, beam=None, *args, **kwargs):
+        # A task option among kwargs (blockwise_tree=8) is refused by the task's
+        # check_generation_options: fairseq would set it on the generation options and forget it.
         beam = self.default_beam() if beam is None else beam
         return super().generate(tokenized_sentences, beam, *args, **kwargs)

@@ -337,7 +337,7 @@ class TranslationBlockwiseTask(TranslationTask):
         distance = self.cfg.blockwise_distance
         if distance == 0:
             return
-        if distance < 0:
+        if not distance >= 0:  # NaN too
             refuse(f"--blockwise-distance must be at least 0 (got {distance})")
         if self.cfg.blockwise_topk != 1 or self.cfg.blockwise_min_block != 1 or self.cfg.blockwise_tree:
             refuse("--blockwise-distance replaces the acceptance rule; drop --blockwise-topk, "

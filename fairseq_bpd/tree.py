@@ -45,9 +45,15 @@ def load_rates(path):
             rates = json.load(f)["rates"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"--blockwise-tree-rates: cannot read rates from {path} ({error})") from None
-    if not rates or not all(isinstance(row, list) and row and all(0 <= p <= 1 for p in row) for row in rates):
+    if not isinstance(rates, list) or not rates or not all(isinstance(row, list) and row and all(map(is_rate, row))
+                                                             for row in rates):
         raise ValueError(f"--blockwise-tree-rates: {path} holds no heads x ranks table of rates in [0, 1]")
     return rates
+
+
+def is_rate(value):
+    """A JSON number in [0, 1] (strings, nulls, lists and booleans are none)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
 
 
 def best_paths(rates, size):

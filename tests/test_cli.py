@@ -163,6 +163,12 @@ def test_hub_interface(tiny):
     tree = load(task="translation_blockwise", blockwise=True, blockwise_tree=8)
     assert tree.translate(sentences) == greedy
     assert tree.task.blockwise_stats.sentences == len(sentences)
+    # Task options per call would be set on the generation options and never read.
+    for option in ({"blockwise_tree": 8}, {"blockwise_distance": 2.0}, {"blockwise": False}):
+        name = next(iter(option))
+        with pytest.raises(BlockwiseRequestError, match=f"^{name} is an option of the task, not of generation.*from_pretrained"):
+            hub.translate(sentences, **option)
+    assert hub.translate(sentences, max_len_b=3) != greedy  # generation options still work
 
 
 def test_eval_bleu_during_training(runs):

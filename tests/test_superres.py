@@ -101,6 +101,39 @@ def test_symbol_numbers_read_numbers_and_skip_specials_and_fillers():
         symbol_numbers(dictionary)
 
 
+def test_nan_and_infinite_symbols_are_refused_by_name():
+    for symbol in ("nan", "inf", "-Infinity", "1e999"):
+        dictionary = Dictionary()
+        for level in ("1", symbol):
+            dictionary.add_symbol(level)
+        with pytest.raises(ValueError, match=f"'{symbol}' \\(entry 5\\) is not a number"):
+            symbol_numbers(dictionary)
+
+
+def test_decimal_symbols_within_the_distance_pass_despite_float_rounding():
+    dictionary = Dictionary()
+    symbols = ("0.9", "1.1", "1.1000001", "-0.3", "-0.1", "1", "1.0")
+    for symbol in symbols:
+        dictionary.add_symbol(symbol)
+    t = {symbol: 4 + i for i, symbol in enumerate(symbols)}
+    numbers = symbol_numbers(dictionary)
+
+    def kept_after(distance, pairs):
+        """pairs: (greedy's choice, the proposal) per block position, then one choice after."""
+        chosen = [t[c] for c, _ in pairs]
+        block = torch.tensor([[dictionary.eos(), *[t[p] for _, p in pairs[:-1]]]])
+        candidates = torch.tensor([[[c, 0] for c in chosen]])
+        lprobs = torch.zeros(1, len(pairs) - 1)
+        return int(accept_within_distance(candidates, block, lprobs, torch.tensor([9]), numbers, distance))
+
+    # 1.1 - 0.9 is 0.20000000000000007 in float64; in the symbols' decimals it is 0.2.
+    assert kept_after(0.2, [("0.9", "1.1"), ("-0.1", "-0.3"), ("1", "1")]) == 3
+    assert kept_after(0.2, [("0.9", "1.1000001"), ("1", "1")]) == 1  # a real 1e-7 past it
+    assert kept_after(0.19, [("0.9", "1.1"), ("1", "1")]) == 1
+    # Two spellings of one number are one intensity under any distance (E = 0 is the exact rule).
+    assert kept_after(0.01, [("1", "1.0"), ("1.0", "1"), ("1", "1")]) == 3
+
+
 # --- exactness and the generator --------------------------------------------------------
 
 
@@ -185,6 +218,7 @@ def test_distance_is_refused_on_a_dictionary_of_words(data_dir):
 
 @pytest.mark.parametrize("flags,message", [
     (["--blockwise-distance", "-1"], "--blockwise-distance must be at least 0"),
+    (["--blockwise-distance", "nan"], "--blockwise-distance must be at least 0 \\(got nan\\)"),
     (["--blockwise-distance", "1", "--blockwise-topk", "2"], "drop --blockwise-topk"),
     (["--blockwise-distance", "1", "--blockwise-min-block", "2"], "--blockwise-min-block"),
     (["--blockwise-distance", "1", "--blockwise-tree", "4"], "--blockwise-tree"),
@@ -200,6 +234,9 @@ def test_the_generator_refuses_a_distance_with_another_rule(numeric_dir):
     for rule in ({"topk": 2}, {"min_block": 2}, {"tree": 4}):
         with pytest.raises(ValueError, match="--blockwise-distance cannot be combined"):
             BlockwiseGenerator(model, task.target_dictionary, block_size=3, distance=1.0, **rule)
+    for distance in (-1.0, math.nan):  # NaN would compare as exact decoding
+        with pytest.raises(ValueError, match="--blockwise-distance must be at least 0"):
+            BlockwiseGenerator(model, task.target_dictionary, block_size=3, distance=distance)
 
 
 def test_superres_task_refuses_words_and_a_missing_image_json(data_dir, tmp_path):

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from conftest import build, random_sample
+from fairseq.sequence_generator import SequenceGenerator
+from fairseq.tasks.translation import TranslationTask
 from test_generator import Oracle, assert_same, blockwise, eos_ending, greedy
+from test_refusals import PrefixBlocker, generation_args, repeats
 
 from fairseq_bpd.tree import Tree, best_paths, default_rates, load_rates
 
@@ -73,7 +76,10 @@ def test_rates_files_are_read_or_refused_by_name(tmp_path):
     good.write_text(json.dumps({"rates": [[0.5, 0.2], [0.3, 0.1]]}))
     assert load_rates(str(good)) == [[0.5, 0.2], [0.3, 0.1]]
     for name, text in (("missing.json", None), ("bad.json", "{"), ("empty.json", '{"rates": []}'),
-                       ("range.json", '{"rates": [[1.5]]}')):
+                       ("range.json", '{"rates": [[1.5]]}'), ("string.json", '{"rates": [["0.5"]]}'),
+                       ("null.json", '{"rates": [[0.5, null]]}'), ("nested.json", '{"rates": [[0.5], [[0.3]]]}'),
+                       ("boolean.json", '{"rates": [[true]]}'), ("nan.json", '{"rates": [[NaN]]}'),
+                       ("table.json", '{"rates": {"2": [0.5]}}')):
         if text is not None:
             (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=f"^--blockwise-tree-rates: .*{name}"):
@@ -151,6 +157,56 @@ def test_greedy_options_keep_their_meaning_in_a_tree(data_dir, options):
                              place=place, **options)
         assert_same(expected, hypos)
     assert_same(expected, blockwise(model, task, sample, 4, tree=16, **options)[0])
+
+
+@pytest.mark.parametrize("flags", [["--decoder-learned-pos"], ["--decoder-normalize-before", "--no-decoder-final-norm"],
+                                   ["--decoder-normalize-before", "--layernorm-embedding", "--no-scale-embedding"],
+                                   ["--head-layout", "paper"], ["--block-size", "2"]])
+def test_trees_on_other_decoder_layouts_give_greedy_output(data_dir, flags):
+    task, model, _ = build(data_dir, "--block-size", "4", *flags, seed=5)
+    k = model.decoder.block_size
+    sample = random_sample(task, bsz=9, seed=5, max_len=30)  # sources of 3 to 31 tokens
+    expected = greedy(model, task, sample)
+    references = [e["tokens"] for e in expected]
+    assert_same(expected, blockwise(model, task, sample, k, tree=16)[0])
+    hypos, _ = blockwise(model, task, sample, k, TreeOracle, tree=16, references=references, place=lambda s: s % 3)
+    assert_same(expected, hypos)
+
+
+def test_an_ngram_blocker_that_bites_inside_tree_paths_gives_greedy_output(data_dir):
+    """fairseq's CPU blocker never bans (test_refusals.py): a tree's per-node prefixes are
+    checked with the one that reads the generated tokens, as the CUDA kernel does."""
+    task, model, _ = build(data_dir, "--block-size", "4", seed=2)
+    sample = random_sample(task, bsz=9, seed=11)
+    stock = SequenceGenerator([model], task.target_dictionary, beam_size=1, max_len_b=20, no_repeat_ngram_size=2)
+    stock.repeat_ngram_blocker = PrefixBlocker(2, use_extension=False)
+    expected = [h[0] for h in stock.generate([model], sample)]
+    plain = greedy(model, task, sample)
+    assert [e["tokens"].tolist() for e in expected] != [e["tokens"].tolist() for e in plain]  # it bites
+    assert not any(repeats(e["tokens"].tolist(), 2) for e in expected)
+
+    class Blocked(TreeOracle):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.repeat_ngram_blocker = PrefixBlocker(2, use_extension=False)
+
+    references = [e["tokens"] for e in expected]
+    for place in (lambda s: 0, lambda s: s % 3, lambda s: None):
+        hypos, _ = blockwise(model, task, sample, 4, Blocked, tree=16, references=references, place=place,
+                             no_repeat_ngram_size=2)
+        assert_same(expected, hypos)
+
+
+def test_match_source_len_in_a_tree_gives_fairseqs_output(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=2)
+    sample = random_sample(task, bsz=7, seed=11)
+    constrained = TranslationTask.build_generator(task, [model], generation_args(match_source_len=True))
+    expected = [h[0] for h in constrained.generate([model], sample)]
+    assert [len(e["tokens"]) - 1 for e in expected] == sample["net_input"]["src_lengths"].tolist()
+    assert_same(expected, blockwise(model, task, sample, 4, tree=16, match_source_len=True)[0])
+    hypos, _ = blockwise(model, task, sample, 4, TreeOracle, tree=16, references=[e["tokens"] for e in expected],
+                         place=lambda s: s % 3, match_source_len=True)
+    assert_same(expected, hypos)
 
 
 def test_eos_inside_a_tree_path_ends_the_sentence(data_dir):
@@ -246,6 +302,22 @@ def test_the_task_builds_the_tree_it_was_asked_for(data_dir, tmp_path):
     generator = task.build_generator([model], Namespace(beam=1))
     # .9 (0,), .5 (1,), .09 (0,0): the second choice of head 2 beats head 3's first.
     assert generator.layout.path_tuples() == [(), (0,), (1,), (0, 0)]
+
+
+def test_rates_for_fewer_heads_than_the_block_are_refused(data_dir, tmp_path):
+    """Measured on a checkpoint of fewer heads, they would silently cut the tree short."""
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"rates": [[0.9, 0.5]]}))
+    task, model, _ = build(data_dir, "--block-size", "4", "--blockwise", "--blockwise-tree", "8",
+                           "--blockwise-tree-rates", str(rates))
+    message = "^--blockwise-tree-rates hold rates for heads 2..2, but --block-size 4 proposes with heads 2..4"
+    with pytest.raises(ValueError, match=message):
+        task.build_generator([model], Namespace(beam=1))
+    task.cfg.block_size = 2  # what they cover
+    assert task.build_generator([model], Namespace(beam=1)).layout.path_tuples() == [(), (0,), (1,)]
+    task.cfg.block_size = 3
+    with pytest.raises(ValueError, match="--block-size 3 proposes with heads 2..3.* give --block-size 2$"):
+        task.build_generator([model], Namespace(beam=1))
 
 
 def test_a_tree_ranks_no_deeper_than_the_proposal_vocabulary(data_dir):
