@@ -15,11 +15,10 @@ import os
 import statistics
 import sys
 
-import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import batches, decode, prepare  # noqa: E402
+from compare import add_device_args, batches, decode, describe, prepare  # noqa: E402
 
 COLUMNS = ("batch", "decoder", "seconds", "speedup", "invocations", "mean accepted block",
            "widths chosen", "identical")
@@ -81,16 +80,17 @@ def main():
                     help="fixed widths to time; adaptive chooses up to the largest")
     ap.add_argument("--max-sentences", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_device_args(ap)
     ap.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
     args.batch_size = args.batch_sizes[0]
-    model, task = prepare(args)[:2]  # checks the paths, sets --threads
+    model, task = prepare(args)[:2]  # checks the paths, sets --threads, puts the model on its device
+    device = next(model.parameters()).device
     if max(args.block_sizes) > model.decoder.block_size:
         raise SystemExit(f"error: --block-sizes go up to the checkpoint's {model.decoder.block_size} heads")
     results = []
     for batch_size in args.batch_sizes:
-        samples = batches(task, args.subset, batch_size, args.max_sentences)
+        samples = batches(task, args.subset, batch_size, args.max_sentences, device)
         measured = measure(model, task.target_dictionary, samples, args.block_sizes, args.repeats)
         for r in rows(batch_size, measured):
             results.append(r)
@@ -100,7 +100,7 @@ def main():
         json.dump(results, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(f"first {args.max_sentences} sentences of {args.subset}, medians of {args.repeats} runs, "
-                f"{torch.get_num_threads()} torch threads, CPU, checkpoint {args.path}\n\n"
+                f"timed on {describe(device)}, checkpoint {args.path}\n\n"
                 + "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
                 + "\n".join(markdown(r) for r in results) + "\n")
 
