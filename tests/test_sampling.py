@@ -17,6 +17,7 @@ from scipy.stats import chi2
 
 from conftest import build, random_sample, write_dicts
 from cli_support import hypotheses, trained
+from test_refusals import PrefixBlocker, generation_args
 
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.sampling import SpeculativeSampler, residual, sampling_probs
@@ -53,8 +54,11 @@ def copies(sources, n):
 
 
 def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=0.0, min_len=1,
-                      max_len_b=MAX_LEN_B):
-    """fairseq's constrained log-probs of the next output after `prefix` (float64): V."""
+                      max_len_b=MAX_LEN_B, no_repeat_ngram_size=0):
+    """fairseq's constrained log-probs of the next output after `prefix` (float64): V.
+
+    n-grams are blocked as fairseq's CUDA kernel blocks them (its CPU blocker never bites).
+    """
     d = task.target_dictionary
     src = source[source.ne(d.pad())][None]
     encoder_out = model.encoder(src, src_lengths=torch.tensor([src.size(1)]))
@@ -67,6 +71,8 @@ def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=
         lprobs[torch.arange(len(d)) != d.eos()] = -math.inf
     if len(prefix) < min_len:
         lprobs[d.eos()] = -math.inf
+    if no_repeat_ngram_size:
+        lprobs = PrefixBlocker(no_repeat_ngram_size)(prev, lprobs[None], 1, 1, len(prefix))[0]
     return lprobs
 
 
@@ -194,6 +200,53 @@ def test_batch_size_keeps_the_distribution(tiny, bsz, calls):
 def test_shortlist_and_confidence_cut_keep_the_distribution(tiny):
     hypos, sampler = sample(tiny, {"sampling_topk": 5}, {}, proposal_vocab=6, confidence=0.05)
     assert g_test(hypos, exact_tables(tiny, {"sampling_topk": 5}, {}), lambda i: i % SOURCES) > 1e-3
+
+
+class BlocksNgramsAsCuda(SpeculativeSampler):
+    """The sampler with fairseq's CUDA kernel's n-gram blocking, which bites on the CPU too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.repeat_ngram_blocker = PrefixBlocker(self.repeat_ngram_blocker.no_repeat_ngram_size)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"sampling_topk": 4}], ids=["plain", "top-k 4"])
+def test_ngram_blocking_that_bites_keeps_the_distribution(tiny, sampling):
+    # Blocks of 4 outputs with EOS proposed inside: after an accepted EOS, head 1's
+    # distribution can be empty (EOS and the rest blocked), and the block must end there.
+    options = {"max_len_b": 4, "no_repeat_ngram_size": 2}
+    exact = exact_tables(tiny, sampling, options)
+    hypos, sampler = sample(tiny, sampling, options, bsz=8000, generator_class=BlocksNgramsAsCuda)
+    assert g_test(hypos, exact, lambda i: i % SOURCES) > 1e-3
+    assert sampler.stats.mean_accepted_block() > 1.05
+
+
+def test_an_accepted_eos_ends_the_block(tiny):
+    # Proposals EOS then w: EOS passes surely (p = q = 1 there); after it head 1 has nothing
+    # left (all -inf, as when n-gram blocking bans EOS past the maximum length).
+    task, model, _ = tiny
+    d = task.target_dictionary
+    sampler = SpeculativeSampler(model, d, block_size=3, generator=torch.Generator().manual_seed(0))
+    w = d.nspecial
+    eos_only = torch.full((len(d),), -math.inf).index_fill_(0, torch.tensor([d.eos()]), 0.0)
+    lprobs = torch.stack([eos_only, torch.full((len(d),), -math.inf), eos_only])[None]  # 1 x 3 x V
+    sampler.draft = torch.stack([eos_only.exp(), torch.eye(len(d))[w]])[None]  # 1 x 2 x V
+    block = torch.tensor([[w, d.eos(), w]])
+    node, kept, outputs, scores, added, finished = sampler.verify_block(
+        lprobs, block, torch.tensor([-1.5]), torch.tensor([10]), sampler.layout)
+    assert finished.tolist() == [True] and added.tolist() == [1]
+    assert outputs[0, 0] == d.eos() and scores[0, 0] == -1.5
+
+
+def test_sampling_refuses_match_source_len_as_fairseq_does(tiny):
+    # fairseq's build_generator: "Provided Search parameters are mutually exclusive."
+    task, model, _ = tiny
+    task.cfg.blockwise = True
+    try:
+        with pytest.raises(BlockwiseRequestError, match="--match-source-len.*--sampling"):
+            task.build_generator([model], generation_args(sampling=True, match_source_len=True))
+    finally:
+        task.cfg.blockwise = False
 
 
 def test_a_seed_reproduces_a_run(tiny):
