@@ -92,13 +92,18 @@ def target(lprobs, dictionary, sampling_topk=-1, sampling_topp=-1.0):
 
 
 @torch.no_grad()
-def enumerate_outputs(model, task, source, sampling, options):
-    """{output tokens (EOS last): (probability, fairseq's positional scores)} for one source."""
+def enumerate_outputs(model, task, source, sampling, options, distributions=None):
+    """{output tokens (EOS last): (probability, fairseq's positional scores)} for one source.
+
+    distributions, a dict if given, gets each prefix's next-output distribution (V).
+    """
     eos, found = task.target_dictionary.eos(), {}
 
     def extend(prefix, probability, scores):
         lprobs = next_token_lprobs(model, task, source, prefix, **options)
         p = target(lprobs, task.target_dictionary, **sampling)
+        if distributions is not None:
+            distributions[tuple(prefix)] = p
         for token in p.nonzero()[:, 0].tolist():
             entry = (probability * float(p[token]), scores + [float(lprobs[token])])
             if token == eos:
@@ -200,6 +205,48 @@ def test_batch_size_keeps_the_distribution(tiny, bsz, calls):
 def test_shortlist_and_confidence_cut_keep_the_distribution(tiny):
     hypos, sampler = sample(tiny, {"sampling_topk": 5}, {}, proposal_vocab=6, confidence=0.05)
     assert g_test(hypos, exact_tables(tiny, {"sampling_topk": 5}, {}), lambda i: i % SOURCES) > 1e-3
+
+
+def nearly_exact_heads(tiny, sampling, options, base=SpeculativeSampler):
+    """A sampler whose heads draw from q = 0.7 p + 0.3 uniform, p the exact distribution of
+    each output after the prefix and the proposals before it (uniform after an EOS)."""
+    task, model, sources = tiny
+    distributions = [{} for _ in range(SOURCES)]
+    for source, found in zip(sources["net_input"]["src_tokens"], distributions):
+        enumerate_outputs(model, task, source, sampling, options, found)
+    d = task.target_dictionary
+    uniform = torch.ones(len(d), dtype=torch.float64).index_fill_(0, torch.tensor([d.pad()]), 0.0)
+    uniform /= uniform.sum()
+
+    class NearlyExactHeads(base):
+        def propose(self, features, sentence, tokens, length):
+            q = torch.zeros(features.size(0), self.block_size - 1, len(d))  # b x k-1 x V
+            proposals = torch.zeros(*q.shape[:2], 1, dtype=torch.long)
+            for row, (s, n) in enumerate(zip(sentence.tolist(), length.tolist())):
+                prefix = tuple(tokens[row, 1 : n + 1].tolist())
+                for j in range(q.size(1)):
+                    q[row, j] = 0.7 * distributions[s % SOURCES].get(prefix, uniform) + 0.3 * uniform
+                    proposals[row, j] = torch.multinomial(q[row, j], 1, generator=self.generator)
+                    prefix += (int(proposals[row, j]),)
+            self.draft = q
+            return proposals
+
+    return NearlyExactHeads
+
+
+@pytest.mark.parametrize("sampling,options", [({}, {"max_len_b": 3}),
+                                              ({"sampling_topk": 4}, {"max_len_b": 4, "min_len": 2})],
+                         ids=["4 tokens", "5 tokens, top-k 4, min len 2"])
+def test_heads_close_to_p_keep_the_distribution(tiny, sampling, options):
+    # The random heads rarely pass a proposal; these pass most: whole blocks, EOS and
+    # the length limit inside them, rejections deep in a block.
+    exact = exact_tables(tiny, sampling, options)
+    hypos, sampler = sample(tiny, sampling, options, bsz=8000,
+                            generator_class=nearly_exact_heads(tiny, sampling, options))
+    assert g_test(hypos, exact, lambda i: i % SOURCES) > 1e-3
+    assert sampler.stats.mean_accepted_block() > 2.2
+    wrong = nearly_exact_heads(tiny, sampling, options, base=DrawsFromPAfterARejection)
+    assert g_test(sample(tiny, sampling, options, generator_class=wrong)[0], exact, lambda i: i % SOURCES) < 1e-6
 
 
 class BlocksNgramsAsCuda(SpeculativeSampler):
