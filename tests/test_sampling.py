@@ -134,11 +134,12 @@ def g_test(hypos, exact, sentence_source):
     return float(chi2.sf(statistic, df))
 
 
-def sample(tiny, sampling, options, bsz=SAMPLES, calls=1, seed=0, generator_class=SpeculativeSampler, **kwargs):
+def sample(tiny, sampling, options, bsz=SAMPLES, calls=1, seed=0, generator_class=SpeculativeSampler, block_size=4,
+           **kwargs):
     """`calls` batches of bsz blockwise samples at a fixed seed; the hypotheses and the sampler."""
     task, model, sources = tiny
     generator = torch.Generator().manual_seed(seed)
-    sampler = generator_class(model, task.target_dictionary, block_size=4, generator=generator,
+    sampler = generator_class(model, task.target_dictionary, block_size=block_size, generator=generator,
                               **sampling, **{"max_len_b": MAX_LEN_B, **options}, **kwargs)
     batch = copies(sources, bsz)
     return [h for _ in range(calls) for h in sampler.generate([model], batch)], sampler
@@ -200,6 +201,17 @@ def test_batch_size_keeps_the_distribution(tiny, bsz, calls):
     # Batch 1 decodes source 0 only; batch 64 alternates both sources.
     hypos, _ = sample(tiny, {}, {}, bsz=bsz, calls=calls)
     assert g_test(hypos, exact_tables(tiny, {}, {}), lambda i: i % bsz % SOURCES) > 1e-3
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_small_blocks_keep_the_distribution(tiny, block_size):
+    # Block size 1: no proposal head at all, each pass draws one token from p.
+    hypos, sampler = sample(tiny, {}, {}, bsz=8000, block_size=block_size)
+    assert g_test(hypos, exact_tables(tiny, {}, {}), lambda i: i % SOURCES) > 1e-3
+    if block_size == 1:
+        assert sampler.stats.invocations == sampler.stats.tokens  # one token per pass
+    else:
+        assert sampler.stats.invocations < sampler.stats.tokens
 
 
 def test_shortlist_and_confidence_cut_keep_the_distribution(tiny):
@@ -353,3 +365,19 @@ def test_generate_samples_through_the_cli(trained_tiny):
     assert hypotheses(first) == hypotheses(again)
     assert hypotheses(first) != hypotheses(other)
     assert len(hypotheses(run(1, "--sampling-topp", 0.9, "--temperature", 0.7))) == 20
+
+
+def test_interactive_samples_through_the_cli(trained_tiny):
+    from test_reliability import interactive
+
+    with open(f"{trained_tiny.raw}/test.de") as f:
+        lines = "".join(f.readlines()[:6])
+
+    def run(seed):
+        return hypotheses(interactive(trained_tiny, "--blockwise", "--sampling", "--beam", 1, "--seed", seed,
+                                      "--sampling-topp", 0.9, "--buffer-size", 4, "--batch-size", 4, stdin=lines))
+
+    first = run(1)
+    assert sorted(first) == list(range(6))
+    assert run(1) == first
+    assert run(2) != first
