@@ -107,7 +107,7 @@ class SpeculativeSampler(BlockwiseGenerator):
         last = kept - 1
         rejected = ~torch.cat([passes, passes.new_ones(passes.size(0), 1)], dim=1).gather(1, last[:, None])  # b x 1
         # After an accepted EOS nothing is output, and head 1 may have nothing left to draw
-        # from (n-gram blocking can ban EOS there too): any valid row stands in.
+        # from (n-gram blocking can ban EOS there too): a uniform row stands in.
         ended = ((block[:, 1:] == self.eos) & (torch.arange(1, n, device=block.device) <= last[:, None])).any(dim=1)
         p_last = torch.where(ended[:, None], 1.0, at(p, last))
         q_last = at(torch.cat([q, p[:, -1:]], dim=1), last)  # after the last block token, no proposal: p
