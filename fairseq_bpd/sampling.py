@@ -110,7 +110,10 @@ class SpeculativeSampler(BlockwiseGenerator):
         # there was rejected, from p where it was not (all passed, or `limit` cut the block).
         last = kept - 1
         rejected = ~torch.cat([passes, passes.new_ones(passes.size(0), 1)], dim=1).gather(1, last[:, None])  # b x 1
-        p_last = at(p, last)
+        # After an accepted EOS nothing is output, and head 1 may have nothing left to draw
+        # from (n-gram blocking can ban EOS there too): a uniform row stands in.
+        ended = ((block[:, 1:] == self.eos) & (torch.arange(1, n, device=block.device) <= last[:, None])).any(dim=1)
+        p_last = torch.where(ended[:, None], 1.0, at(p, last))
         q_last = at(torch.cat([q, p[:, -1:]], dim=1), last)  # after the last block token, no proposal: p
         final = draw(torch.where(rejected, self.correction(p_last, q_last), p_last), self.generator)  # b
 
@@ -159,6 +162,8 @@ def sampling_problem(args, cfg):
         return None
     if topp > 1 or topp == 0:
         return f"--sampling-topp must be in (0, 1] (got {topp})"
+    if getattr(args, "match_source_len", False):  # fairseq: "search parameters are mutually exclusive"
+        return "--match-source-len cannot be combined with --sampling (fairseq refuses the pair too)"
     for flag, value, default in (("--blockwise-topk", cfg.blockwise_topk, 1),
                                  ("--blockwise-min-block", cfg.blockwise_min_block, 1),
                                  ("--blockwise-tree", cfg.blockwise_tree, 0),

@@ -277,7 +277,8 @@ class TranslationBlockwiseTask(TranslationTask):
 
         beam = getattr(args, "beam", 1)  # --eval-bleu-args gives only the JSON's keys
         if beam != 1:  # any beam given, fairseq's default 5 included
-            refuse(f"decoding is greedy, but --beam {beam} was given; use --beam 1 or drop --blockwise")
+            decoding = "speculative sampling draws one sample" if getattr(args, "sampling", False) else "decoding is greedy"
+            refuse(f"{decoding}, but --beam {beam} was given; use --beam 1 or drop --blockwise")
         if getattr(args, "nbest", 1) > 1:
             refuse("gives one hypothesis; --nbest must be 1")
         for name in REFUSED:

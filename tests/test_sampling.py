@@ -17,6 +17,7 @@ from scipy.stats import chi2
 
 from conftest import build, random_sample, write_dicts
 from cli_support import hypotheses, trained
+from test_refusals import PrefixBlocker, generation_args
 
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.sampling import SpeculativeSampler, residual, sampling_probs
@@ -53,8 +54,11 @@ def copies(sources, n):
 
 
 def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=0.0, min_len=1,
-                      max_len_b=MAX_LEN_B):
-    """fairseq's constrained log-probs of the next output after `prefix` (float64): V."""
+                      max_len_b=MAX_LEN_B, no_repeat_ngram_size=0):
+    """fairseq's constrained log-probs of the next output after `prefix` (float64): V.
+
+    n-grams are blocked as fairseq's CUDA kernel blocks them (its CPU blocker never bites).
+    """
     d = task.target_dictionary
     src = source[source.ne(d.pad())][None]
     encoder_out = model.encoder(src, src_lengths=torch.tensor([src.size(1)]))
@@ -67,6 +71,8 @@ def next_token_lprobs(model, task, source, prefix, temperature=1.0, unk_penalty=
         lprobs[torch.arange(len(d)) != d.eos()] = -math.inf
     if len(prefix) < min_len:
         lprobs[d.eos()] = -math.inf
+    if no_repeat_ngram_size:
+        lprobs = PrefixBlocker(no_repeat_ngram_size)(prev, lprobs[None], 1, 1, len(prefix))[0]
     return lprobs
 
 
@@ -86,13 +92,18 @@ def target(lprobs, dictionary, sampling_topk=-1, sampling_topp=-1.0):
 
 
 @torch.no_grad()
-def enumerate_outputs(model, task, source, sampling, options):
-    """{output tokens (EOS last): (probability, fairseq's positional scores)} for one source."""
+def enumerate_outputs(model, task, source, sampling, options, distributions=None):
+    """{output tokens (EOS last): (probability, fairseq's positional scores)} for one source.
+
+    distributions, a dict if given, gets each prefix's next-output distribution (V).
+    """
     eos, found = task.target_dictionary.eos(), {}
 
     def extend(prefix, probability, scores):
         lprobs = next_token_lprobs(model, task, source, prefix, **options)
         p = target(lprobs, task.target_dictionary, **sampling)
+        if distributions is not None:
+            distributions[tuple(prefix)] = p
         for token in p.nonzero()[:, 0].tolist():
             entry = (probability * float(p[token]), scores + [float(lprobs[token])])
             if token == eos:
@@ -123,11 +134,12 @@ def g_test(hypos, exact, sentence_source):
     return float(chi2.sf(statistic, df))
 
 
-def sample(tiny, sampling, options, bsz=SAMPLES, calls=1, seed=0, generator_class=SpeculativeSampler, **kwargs):
+def sample(tiny, sampling, options, bsz=SAMPLES, calls=1, seed=0, generator_class=SpeculativeSampler, block_size=4,
+           **kwargs):
     """`calls` batches of bsz blockwise samples at a fixed seed; the hypotheses and the sampler."""
     task, model, sources = tiny
     generator = torch.Generator().manual_seed(seed)
-    sampler = generator_class(model, task.target_dictionary, block_size=4, generator=generator,
+    sampler = generator_class(model, task.target_dictionary, block_size=block_size, generator=generator,
                               **sampling, **{"max_len_b": MAX_LEN_B, **options}, **kwargs)
     batch = copies(sources, bsz)
     return [h for _ in range(calls) for h in sampler.generate([model], batch)], sampler
@@ -191,9 +203,109 @@ def test_batch_size_keeps_the_distribution(tiny, bsz, calls):
     assert g_test(hypos, exact_tables(tiny, {}, {}), lambda i: i % bsz % SOURCES) > 1e-3
 
 
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_small_blocks_keep_the_distribution(tiny, block_size):
+    # Block size 1: no proposal head at all, each pass draws one token from p.
+    hypos, sampler = sample(tiny, {}, {}, bsz=8000, block_size=block_size)
+    assert g_test(hypos, exact_tables(tiny, {}, {}), lambda i: i % SOURCES) > 1e-3
+    if block_size == 1:
+        assert sampler.stats.invocations == sampler.stats.tokens  # one token per pass
+    else:
+        assert sampler.stats.invocations < sampler.stats.tokens
+
+
 def test_shortlist_and_confidence_cut_keep_the_distribution(tiny):
     hypos, sampler = sample(tiny, {"sampling_topk": 5}, {}, proposal_vocab=6, confidence=0.05)
     assert g_test(hypos, exact_tables(tiny, {"sampling_topk": 5}, {}), lambda i: i % SOURCES) > 1e-3
+
+
+def nearly_exact_heads(tiny, sampling, options, base=SpeculativeSampler):
+    """A sampler whose heads draw from q = 0.7 p + 0.3 uniform, p the exact distribution of
+    each output after the prefix and the proposals before it (uniform after an EOS)."""
+    task, model, sources = tiny
+    distributions = [{} for _ in range(SOURCES)]
+    for source, found in zip(sources["net_input"]["src_tokens"], distributions):
+        enumerate_outputs(model, task, source, sampling, options, found)
+    d = task.target_dictionary
+    uniform = torch.ones(len(d), dtype=torch.float64).index_fill_(0, torch.tensor([d.pad()]), 0.0)
+    uniform /= uniform.sum()
+
+    class NearlyExactHeads(base):
+        def propose(self, features, sentence, tokens, length):
+            q = torch.zeros(features.size(0), self.block_size - 1, len(d))  # b x k-1 x V
+            proposals = torch.zeros(*q.shape[:2], 1, dtype=torch.long)
+            for row, (s, n) in enumerate(zip(sentence.tolist(), length.tolist())):
+                prefix = tuple(tokens[row, 1 : n + 1].tolist())
+                for j in range(q.size(1)):
+                    q[row, j] = 0.7 * distributions[s % SOURCES].get(prefix, uniform) + 0.3 * uniform
+                    proposals[row, j] = torch.multinomial(q[row, j], 1, generator=self.generator)
+                    prefix += (int(proposals[row, j]),)
+            self.draft = q
+            return proposals
+
+    return NearlyExactHeads
+
+
+@pytest.mark.parametrize("sampling,options", [({}, {"max_len_b": 3}),
+                                              ({"sampling_topk": 4}, {"max_len_b": 4, "min_len": 2})],
+                         ids=["4 tokens", "5 tokens, top-k 4, min len 2"])
+def test_heads_close_to_p_keep_the_distribution(tiny, sampling, options):
+    # The random heads rarely pass a proposal; these pass most: whole blocks, EOS and
+    # the length limit inside them, rejections deep in a block.
+    exact = exact_tables(tiny, sampling, options)
+    hypos, sampler = sample(tiny, sampling, options, bsz=8000,
+                            generator_class=nearly_exact_heads(tiny, sampling, options))
+    assert g_test(hypos, exact, lambda i: i % SOURCES) > 1e-3
+    assert sampler.stats.mean_accepted_block() > 2.2
+    wrong = nearly_exact_heads(tiny, sampling, options, base=DrawsFromPAfterARejection)
+    assert g_test(sample(tiny, sampling, options, generator_class=wrong)[0], exact, lambda i: i % SOURCES) < 1e-6
+
+
+class BlocksNgramsAsCuda(SpeculativeSampler):
+    """The sampler with fairseq's CUDA kernel's n-gram blocking, which bites on the CPU too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.repeat_ngram_blocker = PrefixBlocker(self.repeat_ngram_blocker.no_repeat_ngram_size)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"sampling_topk": 4}], ids=["plain", "top-k 4"])
+def test_ngram_blocking_that_bites_keeps_the_distribution(tiny, sampling):
+    # Blocks of 4 outputs with EOS proposed inside: after an accepted EOS, head 1's
+    # distribution can be empty (EOS and the rest blocked), and the block must end there.
+    options = {"max_len_b": 4, "no_repeat_ngram_size": 2}
+    exact = exact_tables(tiny, sampling, options)
+    hypos, sampler = sample(tiny, sampling, options, bsz=8000, generator_class=BlocksNgramsAsCuda)
+    assert g_test(hypos, exact, lambda i: i % SOURCES) > 1e-3
+    assert sampler.stats.mean_accepted_block() > 1.05
+
+
+def test_an_accepted_eos_ends_the_block(tiny):
+    # Proposals EOS then w: EOS passes surely (p = q = 1 there); after it head 1 has nothing
+    # left (all -inf, as when n-gram blocking bans EOS past the maximum length).
+    task, model, _ = tiny
+    d = task.target_dictionary
+    sampler = SpeculativeSampler(model, d, block_size=3, generator=torch.Generator().manual_seed(0))
+    w = d.nspecial
+    eos_only = torch.full((len(d),), -math.inf).index_fill_(0, torch.tensor([d.eos()]), 0.0)
+    lprobs = torch.stack([eos_only, torch.full((len(d),), -math.inf), eos_only])[None]  # 1 x 3 x V
+    sampler.draft = torch.stack([eos_only.exp(), torch.eye(len(d))[w]])[None]  # 1 x 2 x V
+    block = torch.tensor([[w, d.eos(), w]])
+    node, kept, outputs, scores, added, finished = sampler.verify_block(
+        lprobs, block, torch.tensor([-1.5]), torch.tensor([10]), sampler.layout)
+    assert finished.tolist() == [True] and added.tolist() == [1]
+    assert outputs[0, 0] == d.eos() and scores[0, 0] == -1.5
+
+
+def test_sampling_refuses_match_source_len_as_fairseq_does(tiny):
+    # fairseq's build_generator: "Provided Search parameters are mutually exclusive."
+    task, model, _ = tiny
+    task.cfg.blockwise = True
+    try:
+        with pytest.raises(BlockwiseRequestError, match="--match-source-len.*--sampling"):
+            task.build_generator([model], generation_args(sampling=True, match_source_len=True))
+    finally:
+        task.cfg.blockwise = False
 
 
 def test_a_seed_reproduces_a_run(tiny):
@@ -253,3 +365,19 @@ def test_generate_samples_through_the_cli(trained_tiny):
     assert hypotheses(first) == hypotheses(again)
     assert hypotheses(first) != hypotheses(other)
     assert len(hypotheses(run(1, "--sampling-topp", 0.9, "--temperature", 0.7))) == 20
+
+
+def test_interactive_samples_through_the_cli(trained_tiny):
+    from test_reliability import interactive
+
+    with open(f"{trained_tiny.raw}/test.de") as f:
+        lines = "".join(f.readlines()[:6])
+
+    def run(seed):
+        return hypotheses(interactive(trained_tiny, "--blockwise", "--sampling", "--beam", 1, "--seed", seed,
+                                      "--sampling-topp", 0.9, "--buffer-size", 4, "--batch-size", 4, stdin=lines))
+
+    first = run(1)
+    assert sorted(first) == list(range(6))
+    assert run(1) == first
+    assert run(2) != first
