@@ -50,6 +50,10 @@ def running_scores(score, proposal_lprobs, tree):
     running = proposal_lprobs.new_empty(score.size(0), proposal_lprobs.size(1) + 1,
                                         dtype=torch.promote_types(score.dtype, proposal_lprobs.dtype))
     running[:, 0] = score
+    if tree.is_chain:  # node j follows node j-1: plain slices, the same sums
+        for j in range(1, running.size(1)):
+            running[:, j] = running[:, j - 1] + proposal_lprobs[:, j - 1]
+        return running
     for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
         running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
     return running
@@ -70,6 +74,9 @@ def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, t
     passes = ranked.any(dim=2)  # b x n-1
     forced = tree.chain[1:] & (tree.depth[1:] < min_block)
     passes = passes | (forced & (proposal_lprobs > -math.inf))
+    if tree.is_chain:  # node j is at depth j: the longest passing run, within the limit
+        kept = torch.minimum(1 + passes.long().cumprod(dim=1).sum(dim=1), limit)
+        return kept - 1, kept
     reached = torch.ones_like(block, dtype=torch.bool)  # b x n: the path to the node passes
     for nodes, parents in tree.levels:
         reached[:, nodes] = reached[:, parents] & passes[:, nodes - 1]
@@ -398,9 +405,9 @@ class BlockwiseGenerator(nn.Module):
             node = kept - 1
         else:
             node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
-        # 4. Commit the path and head 1's choice after it.
-        path = tree.paths[node]
-        return (node, kept, *commit(*along(path, block, candidates, values, running), kept, self.eos))
+        # 4. Commit the path and head 1's choice after it (a chain's path is the block itself).
+        along_path = (lambda *t: t) if tree.is_chain else (lambda *t: along(tree.paths[node], *t))
+        return (node, kept, *commit(*along_path(block, candidates, values, running), kept, self.eos))
 
     def max_length(self, src_tokens, src_lengths):
         """The longest output allowed, EOS excluded: an int (fairseq's rule)."""

@@ -98,6 +98,9 @@ class Tree:
         self.rank = torch.tensor([p[-1] if p else 0 for p in nodes])
         self.parents = torch.tensor([index[p[:-1]] if p else 0 for p in nodes])
         self.chain = torch.tensor([not any(p) for p in nodes])
+        # Every node the top choice after the one before: the paper's block, whose
+        # verification needs no per-level indexing (the generator's fast path).
+        self.is_chain = bool(self.chain.all())
         self.paths = torch.tensor([[index[p[: min(d, len(p))]] for d in range(self.max_depth + 1)] for p in nodes])
         ancestors = torch.zeros(self.size, self.size, dtype=torch.bool)
         for i, p in enumerate(nodes):
