@@ -16,7 +16,8 @@ from fairseq.search import Sampling
 
 from .errors import BlockwiseRequestError
 from .heads import ProposalHeads
-from .generator import BlockwiseGenerator, commit, confident_width, running_scores
+from .acceptance import commit, confident_width, running_scores
+from .generator import BlockwiseGenerator
 
 
 def sampling_probs(lprobs, search):

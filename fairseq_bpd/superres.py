@@ -14,7 +14,7 @@ import os
 from fairseq import utils
 from fairseq.tasks import register_task
 
-from .generator import symbol_numbers
+from .acceptance import symbol_numbers
 from .task import TranslationBlockwiseConfig, TranslationBlockwiseTask
 
 IMAGE_INFO = "image.json"  # {"low": [h, w], "high": [H, W], "levels": L}

@@ -11,9 +11,10 @@ from fairseq.dataclass.configs import GenerationConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from .acceptance import symbol_numbers
 from .adaptive import AdaptiveBlockwiseGenerator
 from .errors import BlockwiseRequestError
-from .generator import BlockwiseGenerator, BlockwiseStats, symbol_numbers
+from .generator import BlockwiseGenerator, BlockwiseStats
 from .model import BlockwiseDecoder, shortlist_problem
 from .tree import MAX_TREE, load_rates
 from .sampling import SpeculativeSampler, sampling_problem

@@ -7,7 +7,8 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build, random_sample
 
-from fairseq_bpd.generator import BlockwiseGenerator, accept, confident_width, verify
+from fairseq_bpd.acceptance import accept, confident_width, verify
+from fairseq_bpd.generator import BlockwiseGenerator
 
 GREEDY_OPTIONS = ("max_len_a", "max_len_b", "min_len", "normalize_scores", "len_penalty",
                   "unk_penalty", "temperature", "no_repeat_ngram_size")

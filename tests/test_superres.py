@@ -16,7 +16,8 @@ from cli_support import PLUGIN, TINY_ARCH, Runs, assert_same_hypotheses, hypothe
 from conftest import build, random_sample
 from test_generator import Oracle, assert_same, blockwise, greedy
 
-from fairseq_bpd.generator import BlockwiseGenerator, accept_within_distance, symbol_numbers
+from fairseq_bpd.acceptance import accept_within_distance, symbol_numbers
+from fairseq_bpd.generator import BlockwiseGenerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

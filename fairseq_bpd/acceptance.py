@@ -1,0 +1,173 @@
+"""Verification and acceptance rules of a block, pure functions on tensors.
+
+verify ranks head 1's outputs as fairseq's greedy ranks them (log-prob + running score,
+summed in float32 in fairseq's order); accept takes each sentence's deepest fully
+verified candidate; a new rule (top-k, distance, ...) is a function beside accept with
+the same shapes; commit turns the accepted path into the sentence's new outputs.
+"""
+import math
+
+import torch
+
+
+def verify(lprobs, block, score, topk, tree):
+    """Head 1's verdict on a block, ranked as fairseq's greedy ranks: log-prob + running score.
+
+    lprobs: b x n x V, head 1 after each block token (fairseq's constraints applied);
+    block: b x n, the last committed token then the candidates laid out as `tree`
+    (a chain: each after the one before); score: b, the float32 running score of the
+    committed prefix.
+    Returns candidates b x n x max(2, topk) (token ids, best first), their ranked
+    values b x n x max(2, topk), the running score before each output b x n, and
+    each candidate's log-prob after its parent b x n-1.
+    """
+    b, n, V = lprobs.shape
+    flat = tree.parents[1:] * V + block[:, 1:]  # b x n-1: a candidate in its parent's row
+    proposal_lprobs = lprobs.reshape(b, n * V).gather(1, flat)  # b x n-1
+    running = running_scores(score, proposal_lprobs, tree)
+    values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=max(2, topk), dim=2)
+    return candidates, values, running, proposal_lprobs
+
+
+def running_scores(score, proposal_lprobs, tree):
+    """The running score before each node's output: b x n, from score b and each
+    candidate's log-prob after its parent, proposal_lprobs b x n-1."""
+    running = proposal_lprobs.new_empty(score.size(0), proposal_lprobs.size(1) + 1,
+                                        dtype=torch.promote_types(score.dtype, proposal_lprobs.dtype))
+    running[:, 0] = score
+    if tree.is_chain:  # node j follows node j-1: plain slices, the same sums
+        for j in range(1, running.size(1)):
+            running[:, j] = running[:, j - 1] + proposal_lprobs[:, j - 1]
+        return running
+    for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
+        running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
+    return running
+
+
+def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, tree):
+    """The deepest candidate each sentence accepts: its node b (0: none) and the outputs kept b.
+
+    A candidate passes when it is among head 1's top `topk` after its parent (topk 1:
+    exactly greedy) with a finite score; the chain's first min_block - 1 candidates
+    pass unverified unless forbidden (log-prob -inf). A node is accepted when it and
+    all its ancestors pass and its outputs (depth + 1, head 1's choice after it
+    included) fit in `limit` (b); the deepest wins, the first in node order on a tie
+    (possible only under topk > 1 or min_block > 1).
+    """
+    parents = tree.parents[1:]
+    ranked = (candidates[:, parents, :topk] == block[:, 1:, None]) & (values[:, parents, :topk] > -math.inf)
+    passes = ranked.any(dim=2)  # b x n-1
+    forced = tree.chain[1:] & (tree.depth[1:] < min_block)
+    passes = passes | (forced & (proposal_lprobs > -math.inf))
+    if tree.is_chain:  # node j is at depth j: the longest passing run, within the limit
+        kept = torch.minimum(1 + passes.long().cumprod(dim=1).sum(dim=1), limit)
+        return kept - 1, kept
+    reached = torch.ones_like(block, dtype=torch.bool)  # b x n: the path to the node passes
+    for nodes, parents in tree.levels:
+        reached[:, nodes] = reached[:, parents] & passes[:, nodes - 1]
+    reached &= tree.depth < limit[:, None]
+    n = block.size(1)
+    order = tree.depth * n - torch.arange(n, device=block.device)  # deeper first, then earlier
+    node = torch.where(reached, order, -n).argmax(dim=1)
+    return node, tree.depth[node] + 1
+
+
+def along(path, *tensors):
+    """Each sentence's entries at its own nodes: path b x m, tensors b x n (x ...) -> b x m (x ...)."""
+    return [t.gather(1, path.view(*path.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
+            for t in tensors]
+
+
+def symbol_numbers(dictionary):
+    """Each symbol's number, for --blockwise-distance: V float64s.
+
+    NaN for the special symbols and fairseq-preprocess's madeupword fillers (never
+    within any distance: they pass only as greedy's own choice). Raises ValueError
+    naming the first other symbol that is not a finite number.
+    """
+    numbers = torch.full((len(dictionary),), math.nan, dtype=torch.float64)
+    for index in range(dictionary.nspecial, len(dictionary)):
+        symbol = dictionary[index]
+        if symbol.startswith("madeupword"):
+            continue
+        try:
+            value = float(symbol)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(f"symbol {symbol!r} (entry {index}) is not a number")
+        numbers[index] = value
+    return numbers
+
+
+def rounding_slack(a, b, distance):
+    """How far float64 may put |a - b| above `distance` when in decimal it is not: a's shape.
+
+    Symbols and E are decimals, read as the nearest float64s: 1.1 - 0.9 comes out
+    0.20000000000000007, past E = 0.2. Reading a, b and E and subtracting round by half
+    an ulp each, of at most the largest magnitude: four ulps of it cover them all.
+    (Where an ulp nears E, numbers past about 1e15 * E, float64 cannot tell E apart at all.)
+    """
+    return 4 * torch.finfo(torch.float64).eps * torch.maximum(a.abs(), b.abs()).clamp(min=distance)
+
+
+def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, distance):
+    """How many block tokens each sentence keeps under --blockwise-distance E: b, in [1, limit].
+
+    The paper's approximate acceptance for ordinal outputs (section 7.2): proposal j
+    passes when its number (numbers: V, from symbol_numbers) differs from head 1's choice
+    after the tokens before it by at most E, with a finite log-prob. Shapes as accept.
+    """
+    proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
+    numbers = numbers.to(block.device)
+    proposed, chosen = numbers[proposals], numbers[choices]
+    near = (proposed - chosen).abs() <= distance + rounding_slack(proposed, chosen, distance)  # NaN: False
+    passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
+    run = passes.long().cumprod(dim=1).sum(dim=1)
+    return torch.minimum(1 + run, limit)
+
+
+def confident_width(best, log_confidence):
+    """How many proposals the next block keeps under --blockwise-confidence: an int.
+
+    best: b x k-1, each head's top log-prob (over the vocabulary it proposes from).
+    A sentence keeps proposals while the product of their top probabilities stays
+    at or above the confidence; the batch shares one block, so the widest sentence
+    sets it (the others' extra proposals are verified like any other).
+    """
+    confident = best.cumsum(dim=1) >= log_confidence  # a prefix: the sums only fall
+    return int(confident.sum(dim=1).max())
+
+
+def greedy_step(lprobs, score, eos):
+    """A block of one token (no proposals): head 1's choice, as commit gives it for n = 1.
+
+    lprobs: b x 1 x V, score: b. Ranks as verify does (top 2, as fairseq's beam 1),
+    with nothing to accept or roll back. Returns commit's outputs and output scores
+    (b x 1), added (b, all 1) and finished (b).
+    """
+    values, candidates = torch.topk(lprobs + score[:, None, None], k=2, dim=2)
+    outputs = candidates[:, :, 0]
+    return outputs, values[:, :, 0], torch.ones_like(score, dtype=torch.long), outputs[:, 0] == eos
+
+
+def commit(block, candidates, values, running, kept, eos):
+    """What a verified block adds to each sentence (pure: reads its inputs only).
+
+    block: b x n, the last committed token then the proposals along the accepted
+    path; candidates, values: b x n x K and running: b x n from verify; kept: b, the
+    accepted count from accept. The block's outputs are its kept proposals followed
+    by head 1's choice after the last of them. Returns the output tokens b x n (after
+    the kept ones: anything), their running scores b x n, how many of them the
+    sentence keeps b (up to and with the first EOS) and whether it ended b.
+    """
+    offsets = torch.arange(block.size(1), device=block.device)
+    last = (kept - 1)[:, None]  # b x 1
+    outputs = torch.cat([block[:, 1:], block[:, :1]], dim=1)  # proposal j+1 at j
+    outputs.scatter_(1, last, candidates[:, :, 0].gather(1, last))
+    output_scores = torch.cat([running[:, 1:], running[:, :1]], dim=1)
+    output_scores.scatter_(1, last, values[:, :, 0].gather(1, last))
+    is_eos = outputs.eq(eos) & (offsets < kept[:, None])
+    finished = is_eos.any(dim=1)
+    added = torch.where(finished, is_eos.long().argmax(dim=1) + 1, kept)
+    return outputs, output_scores, added, finished
