@@ -33,6 +33,11 @@ logger = logging.getLogger(__name__)
 # number of heads a model gets when training does not say.
 DEFAULT_BLOCK_SIZE = 4
 
+# crop_cache compacts the self-attention cache once masked holes make it this much
+# wider than its longest prefix (0.5: 50% wider). Holes cost attention and fairseq's
+# per-step copy of the cache; compacting costs one such copy.
+COMPACT_AT = 0.5
+
 
 @dataclass
 class BlockwiseHeadsConfig(FairseqDataclass):
@@ -97,13 +102,12 @@ class BlockwiseDecoder(TransformerDecoderBase):
     def project(self, x, vocab=0):
         """Logits of a few positions at a time, for decoding: ... x C -> ... x N.
 
-        N is the first `vocab` dictionary entries, or all of them (vocab 0).
-        Under 32 rows computed as W·xᵀ, not x·Wᵀ as nn.Linear does: for a handful of
-        rows MKL's x·Wᵀ re-packs the whole projection on every call, and on the 2-core
-        CPU W·xᵀ cut decoding time by 10% at k=8 and batch 1. From 32 rows on, x·Wᵀ:
-        W·xᵀ's result must be transposed into rows, a copy that at 256 rows (batch 32,
-        k=8, 7,936 types) took longer than the product itself. Both round differently
-        from fairseq's one-row step, which is why exactness is tested in float64.
+        N is the first `vocab` dictionary entries, or all of them (vocab 0). Computed as
+        x·(Wᵀ), Wᵀ a contiguous copy kept across calls (transposed_projection): nn.Linear's
+        x·Wᵀ on the V x C weight makes MKL re-pack all of W on every call, which for a
+        handful of rows cost more than the product (k=8 at batch 1, 7,936 types, the
+        2-core CPU: 0.46 ms against 0.21 ms; 0.68 against 0.49 at 18 rows). Both round
+        differently from fairseq's one-row step, which is why exactness is tested in float64.
         """
         projection = self.output_projection
         plain = type(projection) is nn.Linear and projection.bias is None
@@ -112,12 +116,23 @@ class BlockwiseDecoder(TransformerDecoderBase):
             if vocab:
                 return self.output_layer(x)[..., :vocab]
             return self.output_layer(x)
-        weight = projection.weight
-        weight = weight[:vocab] if vocab else weight
-        rows = x.reshape(-1, x.size(-1))
-        if rows.size(0) >= 32:
-            return nn.functional.linear(x, weight)
-        return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.size(0))
+        columns = self.transposed_projection()  # C x V
+        columns = columns[:, :vocab] if vocab else columns
+        # One 2-D product over all rows (x may be a transposed view: matmul would batch it).
+        return torch.mm(x.reshape(-1, x.size(-1)), columns).view(*x.shape[:-1], columns.size(1))
+
+    def transposed_projection(self):
+        """The output projection's weight transposed, contiguous: C x V, for decoding only.
+
+        Copied again whenever the weight changes (an optimizer step, .to(), .double()):
+        the key is its storage and version counter. No gradient flows through it.
+        """
+        weight = self.output_projection.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if getattr(self, "_transposed_key", None) != key:
+            self._transposed = weight.detach().t().contiguous()
+            self._transposed_key = key
+        return self._transposed
 
     def forward(
         self,
@@ -210,43 +225,60 @@ class BlockwiseDecoder(TransformerDecoderBase):
         buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
         return buffer["prev_key"].size(2) if "prev_key" in buffer else 0
 
-    def prefixes_fill(self, incremental_state, cached, width):
-        """Whether every sentence's cached prefix (cached, b) fills the `width` columns before the block."""
-        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
-        return buffer.get("prev_key_padding_mask") is None or bool((cached == width).all())
-
     def crop_cache(self, incremental_state, cached, block_width, keep, kept):
         """Keep, after each sentence's cached prefix, only the chosen entries of the last block.
 
         Before the call each layer's self-attention cache holds, per sentence, `cached`
-        (b) valid entries left-aligned in a common width W, then the `block_width`
-        entries of the block just fed. keep: b x m, block positions in the order they
-        stay (a chain's accepted prefix 0, 1, ...; a tree's accepted path); the first
-        `kept` (b) of them stay. Afterwards the cache holds the prefix and those entries, left-aligned
-        in a width of max(cached + kept), the rest hidden by the key padding mask
-        (fairseq's attention reads it with the cache). Returns cached + kept.
+        (b) valid entries among its first W columns, the others hidden by the key padding
+        mask (fairseq's attention reads it with the cache), then the `block_width` entries
+        of the block just fed. keep: b x m, block positions in the order they stay (a
+        chain's accepted prefix 0, 1, ...; a tree's accepted path); the first `kept` (b)
+        of them stay. Returns cached + kept.
+
+        Attention ignores where a key sits (positions were added to the inputs), so a
+        chain's rejected entries need no moving: they are cut off the end where every
+        sentence rejected them and masked where only some did, which costs no copy.
+        The cache is compacted (one gather) only for a tree's path, or once such holes
+        widen it by more than COMPACT_AT of its longest prefix.
         """
         lengths = cached + kept
-        old_width = self.cache_width(incremental_state) - block_width
-        if self.prefixes_fill(incremental_state, cached, old_width):
-            if block_width == 1:
-                return lengths  # a block of one is kept whole, right after the prefixes: nothing to move
-            count = int(kept.min())
-            chain = bool((keep[:, :count] == torch.arange(count, device=keep.device)).all())
-            if count == int(kept.max()) and chain:
-                # Every sentence keeps the first `count` block entries (always so at batch 1): cut the tail.
-                self.rewrite_cache(incremental_state, old_width + count)
+        if block_width == 1:
+            return lengths  # a block of one is kept whole: nothing to cut
+        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
+        old_width = buffer["prev_key"].size(2) - block_width
+        holes = buffer.get("prev_key_padding_mask")  # b x W + block_width, or None: no holes
+        longest = int(kept.max())
+        offsets = torch.arange(longest, device=kept.device)
+        beyond = offsets >= kept[:, None]  # b x longest: block entries a sentence rejected
+        if bool(((keep[:, :longest] == offsets) | beyond).all()):  # every sentence keeps a chain prefix
+            width = old_width + longest
+            if holes is None and not bool(beyond.any()):  # all keep the same: cut the tail
+                self.rewrite_cache(incremental_state, width)
                 return lengths
+            if width <= (1 + COMPACT_AT) * int(lengths.max()):
+                prefix = beyond.new_zeros(kept.size(0), old_width) if holes is None else holes[:, :old_width].bool()
+                self.rewrite_cache(incremental_state, width, padding=torch.cat([prefix, beyond], dim=1))
+                return lengths
+        self.compact_cache(incremental_state, cached, old_width, holes, keep, lengths)
+        return lengths
+
+    def compact_cache(self, incremental_state, cached, old_width, holes, keep, lengths):
+        """Gather each sentence's valid prefix entries, then its kept block entries, to the front."""
         width = int(lengths.max())
         columns = torch.arange(width, device=cached.device).unsqueeze(0)  # 1 x W'
+        if holes is None:
+            prefix = columns.expand(cached.size(0), -1)
+        else:  # the valid columns first, in their order (a stable sort of the hole flags)
+            prefix = holes[:, :old_width].to(torch.uint8).sort(dim=1, stable=True).indices
+            prefix = torch.cat([prefix, prefix.new_zeros(prefix.size(0), max(width - old_width, 0))], dim=1)
+            prefix = prefix[:, :width]
         from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
-        index = torch.where(columns < cached[:, None], columns, old_width + keep.gather(1, from_block))
+        index = torch.where(columns < cached[:, None], prefix, old_width + keep.gather(1, from_block))
         self.rewrite_cache(incremental_state, width, index, padding=columns >= lengths[:, None])
-        return lengths
 
     def rewrite_cache(self, incremental_state, width, index=None, padding=None):
         """Every layer's self-attention cache becomes its first `width` columns, or, given
-        index (b x width), those columns per sentence, `padding` (b x width) hiding the rest."""
+        index (b x width), those columns per sentence; `padding` (b x width or None) hides columns."""
         for layer in self.layers:
             buffer = layer.self_attn._get_input_buffer(incremental_state)
             for key in ("prev_key", "prev_value"):
@@ -260,11 +292,19 @@ class BlockwiseDecoder(TransformerDecoderBase):
             layer.self_attn._set_input_buffer(incremental_state, buffer)
 
     def position_table(self, size):
-        """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal)."""
-        dummy = torch.full(
-            (1, size), self.padding_idx + 1, dtype=torch.long, device=self.embed_tokens.weight.device
-        )
-        return self.embed_positions(dummy)[0]
+        """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal).
+
+        Kept across calls (each decoder invocation reads it) in a power-of-two size, and
+        made again when the embeddings' weights, dtype or device change.
+        """
+        weight = self.embed_tokens.weight
+        key = (weight.dtype, weight.device, *((p.data_ptr(), p._version) for p in self.embed_positions.parameters()))
+        table = getattr(self, "_position_table", None)
+        if table is None or table.size(0) < size or self._position_key != key:
+            rows = min(1 << max(size - 1, 63).bit_length(), max(size, self.max_positions()))  # 64 at least
+            dummy = torch.full((1, rows), self.padding_idx + 1, dtype=torch.long, device=weight.device)
+            self._position_table, self._position_key = self.embed_positions(dummy)[0].detach(), key
+        return self._position_table[:size]
 
     def upgrade_state_dict_named(self, state_dict, name):
         """Give a plain transformer checkpoint (or one with heads of another type) fresh heads."""

@@ -274,3 +274,49 @@ def test_cached_blocks_match_a_full_prefix_pass(data_dir):
             prefixes[i] += block[i, : kept[i]].tolist()
         cached = decoder.crop_cache(state, cached, 4, torch.arange(4).expand(3, -1), kept)
         assert cached.tolist() == [len(p) for p in prefixes]
+
+
+def test_masked_holes_and_compaction_match_a_full_prefix_pass(data_dir):
+    """Rejected entries left in the cache as masked holes, compacted now and then, a sentence
+    leaving the batch in between: every block's features still equal recomputing the prefix."""
+    task, model, _ = build(data_dir, "--block-size", "4", seed=10)
+    decoder, eos = model.decoder, task.target_dictionary.eos()
+    sample = random_sample(task, bsz=4, seed=10)
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    generator = torch.Generator().manual_seed(3)
+    prefixes = [[] for _ in range(4)]
+    rows = list(range(4))
+    cached = torch.zeros(4, dtype=torch.long)
+    state, saw_holes, compactions = {}, False, 0
+    for round_ in range(14):
+        b = len(rows)
+        block = torch.randint(4, 28, (b, 4), generator=generator)
+        if round_ == 0:
+            block[:, 0] = eos
+        features, _ = decoder.forward_block(block, cached[:, None] + torch.arange(4), encoder_out, state)
+        for i, row in enumerate(rows):
+            full_input = torch.tensor(prefixes[row] + block[i].tolist())[None]
+            one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
+            full, _ = decoder.extract_features(full_input, one)
+            assert torch.allclose(features[i], full[0, -4:], atol=1e-6)
+        kept = torch.randint(1, 3, (b,), generator=generator)
+        kept[round_ % b] = 4  # one keeps all: the others' rejected entries stay as holes, then pile up
+        for i, row in enumerate(rows):
+            prefixes[row] += block[i, : kept[i]].tolist()
+        width = decoder.layers[0].self_attn._get_input_buffer(state)["prev_key"].size(2)
+        cached = decoder.crop_cache(state, cached, 4, torch.arange(4).expand(b, -1), kept)
+        assert cached.tolist() == [len(prefixes[row]) for row in rows]
+        buffer = decoder.layers[0].self_attn._get_input_buffer(state)
+        mask = buffer["prev_key_padding_mask"]
+        assert buffer["prev_key"].size(2) >= int(cached.max())
+        if mask is not None:
+            assert (~mask.bool()).sum(1).tolist() == cached.tolist()  # the unmasked entries are the prefix
+            saw_holes |= bool((mask.bool()[:, :-1] & ~mask.bool()[:, 1:]).any())  # a hole before an entry
+        compactions += buffer["prev_key"].size(2) < width - 4
+        if round_ == 6:  # the second sentence leaves, as a finished one does
+            active = torch.tensor([0, 2, 3])
+            decoder.reorder_incremental_state_scripting(state, active)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, active)
+            cached, rows = cached[active], [rows[i] for i in active.tolist()]
+    assert saw_holes and compactions > 0
+
