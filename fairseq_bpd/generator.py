@@ -164,11 +164,16 @@ class BlockwiseGenerator(nn.Module):
         self.model.cuda()
         return self
 
-    @torch.no_grad()
     def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
         if prefix_tokens is not None or constraints is not None:
             raise BlockwiseRequestError("--blockwise: cannot decode with a prefix or constraints")
-        return self._generate(sample, bos_token)
+        # inference_mode, not no_grad: no version counters or view tracking on a block's many
+        # small tensors (about 10% of decoding time on the 2-core CPU). The hypotheses are
+        # copied out of it: fairseq's scripts update some in place, which it forbids.
+        with torch.inference_mode():
+            finalized = self._generate(sample, bos_token)
+        return [[{key: value.clone() if torch.is_tensor(value) else value for key, value in hypo.items()}
+                 for hypo in hypos] for hypos in finalized]
 
     def _generate(self, sample, bos_token=None):
         model, decoder = self.model, self.model.decoder

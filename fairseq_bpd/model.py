@@ -125,10 +125,11 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """The output projection's weight transposed, contiguous: C x V, for decoding only.
 
         Copied again whenever the weight changes (an optimizer step, .to(), .double()):
-        the key is its storage and version counter. No gradient flows through it.
+        the key is its storage and version counter (and whether it is made under
+        inference_mode, whose tensors autograd refuses). No gradient flows through it.
         """
         weight = self.output_projection.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, torch.is_inference_mode_enabled())
         if getattr(self, "_transposed_key", None) != key:
             self._transposed = weight.detach().t().contiguous()
             self._transposed_key = key
@@ -298,7 +299,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
         made again when the embeddings' weights, dtype or device change.
         """
         weight = self.embed_tokens.weight
-        key = (weight.dtype, weight.device, *((p.data_ptr(), p._version) for p in self.embed_positions.parameters()))
+        key = (weight.dtype, weight.device, torch.is_inference_mode_enabled(),
+               *((p.data_ptr(), p._version) for p in self.embed_positions.parameters()))
         table = getattr(self, "_position_table", None)
         if table is None or table.size(0) < size or self._position_key != key:
             rows = min(1 << max(size - 1, 63).bit_length(), max(size, self.max_positions()))  # 64 at least
