@@ -124,8 +124,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
     def transposed_projection(self):
         """The output projection's weight transposed, contiguous: C x V, for decoding only.
 
-        Copied again whenever the weight changes (an optimizer step, .to(), .double()):
-        the key is its storage and version counter. No gradient flows through it.
+        Copied again whenever the weight changes (.to(), .double(), load_state_dict): the
+        key is its storage and version counter; after training (train()) it is dropped.
+        No gradient flows through it.
         """
         weight = self.output_projection.weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
@@ -133,6 +134,13 @@ class BlockwiseDecoder(TransformerDecoderBase):
             self._transposed = weight.detach().t().contiguous()
             self._transposed_key = key
         return self._transposed
+
+    def train(self, mode=True):
+        """Drop what decoding keeps of the weights (transposed_projection, position_table):
+        fairseq's optimizers update p.data in place, which moves no version counter, and
+        fairseq's Trainer switches modes around every step and validation."""
+        self._transposed_key = self._position_key = None
+        return super().train(mode)
 
     def forward(
         self,
@@ -295,7 +303,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal).
 
         Kept across calls (each decoder invocation reads it) in a power-of-two size, and
-        made again when the embeddings' weights, dtype or device change.
+        made again when the embeddings' weights, dtype or device change, or after train().
         """
         weight = self.embed_tokens.weight
         key = (weight.dtype, weight.device, *((p.data_ptr(), p._version) for p in self.embed_positions.parameters()))

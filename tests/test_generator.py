@@ -320,3 +320,102 @@ def test_masked_holes_and_compaction_match_a_full_prefix_pass(data_dir):
             cached, rows = cached[active], [rows[i] for i in active.tolist()]
     assert saw_holes and compactions > 0
 
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"], ["--share-decoder-input-output-embed"]])
+def test_decoding_between_fairseqs_optimizer_steps_uses_the_new_weights(data_dir, flags):
+    """fairseq's optimizers update p.data in place, which leaves the parameter's version
+    counter and storage alone: validation with --blockwise (--eval-bleu) between training
+    steps must still decode with the weights just trained, as fairseq's greedy does."""
+    from fairseq.optim.adam import Adam
+
+    task, model, _ = build(data_dir, "--block-size", "4", *flags, seed=4)
+    sample = random_sample(task, bsz=5, seed=4)
+    before = greedy(model, task, sample)
+    assert_same(before, blockwise(model, task, sample, 4)[0])  # caches what decoding keeps
+    optimizer = Adam(model.parameters(), lr=0.3)
+    net_input = dict(sample["net_input"], prev_output_tokens=sample["net_input"]["src_tokens"])
+    for _ in range(2):  # fairseq's Trainer: train mode for the step, eval mode to validate
+        model.train()
+        optimizer.zero_grad()
+        logits, _ = model(**net_input)
+        (-logits.log_softmax(-1)[..., 7:12].mean()).backward()
+        optimizer.step()
+        model.eval()
+        after = greedy(model, task, sample)
+        assert [e["tokens"].tolist() for e in after] != [e["tokens"].tolist() for e in before]
+        assert_same(after, blockwise(model, task, sample, 4)[0])
+        before = after
+
+
+class RandomRuns(Oracle):
+    """Proposes each sentence's true continuation for a random number of block positions,
+    then wrong tokens: the sentences of a batch accept different lengths block after block.
+    random_widths: each block's width is drawn too (1 to block_size), as --blockwise-adaptive
+    may change it, width 1 (no proposals) included."""
+
+    def __init__(self, *args, seed=0, random_widths=False, **kwargs):
+        super().__init__(*args, agree=True, **kwargs)
+        self.rng, self.random_widths = torch.Generator().manual_seed(seed), random_widths
+
+    def block_width(self, batch_size):
+        if not self.random_widths:
+            return super().block_width(batch_size)
+        return int(torch.randint(1, self.block_size + 1, (), generator=self.rng))
+
+    def propose(self, features, sentence, tokens, length):
+        true = super().propose(features, sentence, tokens, length)  # b x w-1 x 1
+        right = torch.randint(0, true.size(1) + 1, (true.size(0), 1, 1), generator=self.rng)
+        return torch.where(torch.arange(true.size(1))[:, None] < right, true, 4 + (true - 3) % 20)
+
+
+class CacheWatch:
+    """Counts, over the crops of a decoder, those that left masked holes before kept entries
+    and the compactions of a cache that had holes."""
+
+    def __init__(self, decoder):
+        self.holes = self.compactions = 0
+        crop, compact = decoder.crop_cache, decoder.compact_cache
+
+        def watched_crop(state, *args):
+            lengths = crop(state, *args)
+            mask = decoder.layers[0].self_attn._get_input_buffer(state)["prev_key_padding_mask"]
+            if mask is not None:
+                mask = mask.bool()
+                assert (~mask).sum(1).tolist() == lengths.tolist()  # the unmasked entries are the prefix
+                self.holes += bool((mask[:, :-1] & ~mask[:, 1:]).any())
+            return lengths
+
+        def watched_compact(state, cached, old_width, holes, *args):
+            self.compactions += holes is not None
+            return compact(state, cached, old_width, holes, *args)
+
+        decoder.crop_cache, decoder.compact_cache = watched_crop, watched_compact
+
+
+def ending_model(data_dir, block_size):
+    """A model whose greedy outputs end after 4 to 41 tokens (max_len_b 40) at bsz 16, EOS
+    weighted in the plain projection (no hook: decoding takes the transposed copy)."""
+    task, model, _ = build(data_dir, "--block-size", str(block_size), seed=1)
+    with torch.no_grad():
+        model.decoder.output_projection.weight[task.target_dictionary.eos()] *= 3
+    return task, model
+
+
+@pytest.mark.parametrize("random_widths", [False, True])
+@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("bsz,max_len_b", [(1, 40), (7, 40), (16, 40), (16, 9)])
+def test_random_acceptance_lengths_with_holes_and_compactions_give_greedy_output(
+        data_dir, block_size, bsz, max_len_b, random_widths):
+    task, model = ending_model(data_dir, block_size)
+    sample = random_sample(task, bsz=bsz, seed=1, max_len=20)
+    expected = greedy(model, task, sample, max_len_b=max_len_b)
+    watch = CacheWatch(model.decoder)
+    hypos, generator = blockwise(model, task, sample, block_size, RandomRuns, max_len_b=max_len_b,
+                                 references=[e["tokens"] for e in expected], seed=bsz + block_size,
+                                 random_widths=random_widths)
+    assert_same(expected, hypos)
+    if bsz > 1 and max_len_b == 40:
+        assert watch.holes > 0
+        assert watch.compactions > 0 or bsz < 16
+    assert len(generator.stats.accepted) > 2  # blocks kept many different lengths
