@@ -419,3 +419,59 @@ def test_random_acceptance_lengths_with_holes_and_compactions_give_greedy_output
         assert watch.holes > 0
         assert watch.compactions > 0 or bsz < 16
     assert len(generator.stats.accepted) > 2  # blocks kept many different lengths
+
+
+@pytest.mark.parametrize("options", [{"match_source_len": True}, {"min_len": 12}, {"unk_penalty": -3.0},
+                                     {"temperature": 0.7}, {"max_len_a": 1.0, "max_len_b": 2},
+                                     {"len_penalty": 0.6}])
+def test_greedy_options_over_random_acceptance_lengths(data_dir, options):
+    from fairseq.tasks.translation import TranslationTask
+    from test_refusals import generation_args
+
+    task, model = ending_model(data_dir, 6)
+    sample = random_sample(task, bsz=16, seed=1, max_len=20)
+    options = {"max_len_b": 40, **options}
+    if options.get("match_source_len"):  # fairseq's LengthConstrainedBeamSearch, which its task builds
+        constrained = TranslationTask.build_generator(task, [model], generation_args(**options))
+        expected = [h[0] for h in constrained.generate([model], sample)]
+    else:
+        expected = greedy(model, task, sample, **options)
+    watch = CacheWatch(model.decoder)
+    hypos, _ = blockwise(model, task, sample, 6, RandomRuns, references=[e["tokens"] for e in expected], seed=6,
+                         **options)
+    assert_same(expected, hypos)
+    assert watch.holes > 0
+
+
+def assert_identical(hypos, others):
+    """The same tokens, and scores and attention within float32 rounding (they are stored in float32)."""
+    for h, o in zip(hypos, others):
+        h, o = h[0], o[0]
+        assert h["tokens"].tolist() == o["tokens"].tolist()
+        running, other_running = h["positional_scores"].cumsum(0), o["positional_scores"].cumsum(0)
+        assert torch.allclose(running, other_running, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(h["attention"], o["attention"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{"topk": 2}, {"min_block": 2}, {"topk": 3, "min_block": 3}])
+def test_masked_holes_decode_as_gathering_every_block(data_dir, monkeypatch, options):
+    """Rules that are not greedy's (--blockwise-topk, --blockwise-min-block): rejected entries
+    left as masked holes decode exactly as gathering them out every block."""
+    import fairseq_bpd.model
+
+    task, model = ending_model(data_dir, 5)
+    sample = random_sample(task, bsz=16, seed=1, max_len=20)
+    eos = task.target_dictionary.eos()
+    # Greedy's outputs, then EOS: these rules may run past greedy's end.
+    references = [torch.cat([e["tokens"], e["tokens"].new_full((45,), eos)])
+                  for e in greedy(model, task, sample, max_len_b=40)]
+    watch = CacheWatch(model.decoder)
+    held, generator = blockwise(model, task, sample, 5, RandomRuns, max_len_b=40, references=references, seed=5,
+                                **options)
+    assert watch.holes > 0 and len(generator.stats.accepted) > 2
+    monkeypatch.setattr(fairseq_bpd.model, "COMPACT_AT", -1.0)  # no hole survives a block
+    watch.holes = 0
+    gathered, _ = blockwise(model, task, sample, 5, RandomRuns, max_len_b=40, references=references, seed=5,
+                            **options)
+    assert watch.holes == 0
+    assert_identical(held, gathered)
