@@ -475,3 +475,69 @@ def test_masked_holes_decode_as_gathering_every_block(data_dir, monkeypatch, opt
                             **options)
     assert watch.holes == 0
     assert_identical(held, gathered)
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"], ["--share-decoder-input-output-embed"]])
+def test_decoding_follows_loaded_weights_and_dtype_changes(data_dir, flags):
+    """What decoding keeps of the weights (the transposed projection, the position table) is
+    made again after load_state_dict and after a round trip through float32."""
+    task, model, _ = build(data_dir, "--block-size", "4", *flags, seed=4)
+    _, other, _ = build(data_dir, "--block-size", "4", *flags, seed=5)
+    sample = random_sample(task, bsz=5, seed=4)
+    before = blockwise(model, task, sample, 4)[0]  # caches
+    model.load_state_dict(other.state_dict())
+    expected = greedy(model, task, sample)
+    assert [e["tokens"].tolist() for e in expected] != [h[0]["tokens"].tolist() for h in before]
+    assert_same(expected, blockwise(model, task, sample, 4)[0])
+    model.float()
+    blockwise(model, task, sample, 4)  # caches float32 copies
+    model.double()  # float32-rounded weights, in float64
+    expected = greedy(model, task, sample)
+    assert_same(expected, blockwise(model, task, sample, 4)[0])
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"]])
+def test_outputs_as_long_as_small_max_target_positions_allow(data_dir, flags):
+    """--max-target-positions 16: outputs of 15 tokens and EOS, blocks of 8 running into the
+    last position (the position table is capped there)."""
+    task, model, _ = build(data_dir, "--block-size", "8", "--max-target-positions", "16", *flags, seed=1)
+    sample = random_sample(task, bsz=9, seed=1, max_len=14)
+    expected = greedy(model, task, sample, max_len_b=200)
+    assert max(len(e["tokens"]) for e in expected) == 16
+    assert_same(expected, blockwise(model, task, sample, 8, max_len_b=200)[0])
+    assert_same(expected, blockwise(model, task, sample, 8, max_len_b=200, tree=16)[0])
+    hypos, _ = blockwise(model, task, sample, 8, RandomRuns, max_len_b=200, references=[e["tokens"] for e in expected])
+    assert_same(expected, hypos)
+    assert model.decoder.position_table(1).size(0) == 1 and model.decoder._position_table.size(0) == 16
+
+
+def test_nan_log_probs_become_minus_inf_as_in_fairseq(data_dir):
+    """fairseq's greedy turns NaN log-probs into -inf (lprobs[lprobs != lprobs] = -inf); head 1's
+    log-probs do the same whether the NaNs are few (a NaN or +inf logit poisons its row's
+    normaliser) or none (the finite-sum shortcut)."""
+    task, model, _ = build(data_dir, "--block-size", "3", seed=3)
+    generator = BlockwiseGenerator(model, task.target_dictionary, block_size=3)
+    decoder, project = model.decoder, model.decoder.project
+    features = torch.randn(2, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    steps = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    poisoned = {}
+
+    def poisoning(x, vocab=0):
+        logits = project(x, vocab)
+        for (row, position, word), value in poisoned.items():
+            logits[row, position, word] = value
+        return logits
+
+    decoder.project = poisoning
+    for poisoned in ({}, {(0, 1, 5): math.nan}, {(1, 2, 7): math.inf, (0, 0, 9): -math.inf}):
+        logits = project(features)
+        for (row, position, word), value in poisoned.items():
+            logits[row, position, word] = value
+        expected = model.get_normalized_probs((logits, None), log_probs=True)
+        expected[expected != expected] = -math.inf
+        expected[..., generator.pad] = -math.inf
+        lprobs = generator.head1_lprobs(features, steps, None, None, 20, None, torch.tensor([5, 5]))
+        assert not lprobs.isnan().any()
+        assert torch.equal(lprobs, expected)
+        assert lprobs.isinf().all(-1).sum() == sum(v != -math.inf for v in poisoned.values())
+    del decoder.project
