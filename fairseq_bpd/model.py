@@ -39,6 +39,14 @@ DEFAULT_BLOCK_SIZE = 4
 COMPACT_AT = 0.5
 
 
+def weights_key(*weights):
+    """What tells that weights changed (storage, version counter, dtype, device), or None for
+    torch.inference_mode's tensors, which keep no version counter: then nothing does."""
+    if any(w.is_inference() for w in weights):
+        return None
+    return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+
+
 @dataclass
 class BlockwiseHeadsConfig(FairseqDataclass):
     head_layout: ChoiceEnum(["base", "paper"]) = field(
@@ -129,7 +137,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
         No gradient flows through it.
         """
         weight = self.output_projection.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        key = weights_key(weight)
+        if key is None:  # nothing would tell an in-place change: nn.Linear's product, no copy
+            return weight.detach().t()
         if getattr(self, "_transposed_key", None) != key:
             self._transposed = weight.detach().t().contiguous()
             self._transposed_key = key
@@ -306,9 +316,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
         made again when the embeddings' weights, dtype or device change, or after train().
         """
         weight = self.embed_tokens.weight
-        key = (weight.dtype, weight.device, *((p.data_ptr(), p._version) for p in self.embed_positions.parameters()))
+        key = weights_key(weight, *self.embed_positions.parameters())
         table = getattr(self, "_position_table", None)
-        if table is None or table.size(0) < size or self._position_key != key:
+        if key is None or table is None or table.size(0) < size or self._position_key != key:
             rows = min(1 << max(size - 1, 63).bit_length(), max(size, self.max_positions()))  # 64 at least
             dummy = torch.full((1, rows), self.padding_idx + 1, dtype=torch.long, device=weight.device)
             self._position_table, self._position_key = self.embed_positions(dummy)[0].detach(), key

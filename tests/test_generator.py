@@ -488,14 +488,16 @@ def test_decoding_follows_loaded_weights_and_dtype_changes(data_dir, flags):
     sample = random_sample(task, bsz=5, seed=4)
     before = blockwise(model, task, sample, 4)[0]  # caches
     model.load_state_dict(other.state_dict())
+    # Blockwise first: fairseq's SequenceGenerator calls eval(), which drops the caches.
+    hypos = blockwise(model, task, sample, 4)[0]
     expected = greedy(model, task, sample)
     assert [e["tokens"].tolist() for e in expected] != [h[0]["tokens"].tolist() for h in before]
-    assert_same(expected, blockwise(model, task, sample, 4)[0])
+    assert_same(expected, hypos)
     model.float()
     blockwise(model, task, sample, 4)  # caches float32 copies
     model.double()  # float32-rounded weights, in float64
-    expected = greedy(model, task, sample)
-    assert_same(expected, blockwise(model, task, sample, 4)[0])
+    hypos = blockwise(model, task, sample, 4)[0]
+    assert_same(greedy(model, task, sample), hypos)
 
 
 @pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"]])
@@ -543,3 +545,19 @@ def test_nan_log_probs_become_minus_inf_as_in_fairseq(data_dir):
         assert torch.equal(lprobs, expected)
         assert lprobs.isinf().all(-1).sum() == sum(v != -math.inf for v in poisoned.values())
     del decoder.project
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"]])
+def test_a_model_made_under_inference_mode_decodes_as_greedy(data_dir, flags):
+    """Weights made or loaded under torch.inference_mode() are inference tensors, which keep no
+    version counter: decoding must neither fail on them nor keep a copy that a later
+    load_state_dict (in place, under inference_mode) leaves stale."""
+    with torch.inference_mode():
+        task, model, _ = build(data_dir, "--block-size", "4", *flags, seed=4)
+        _, other, _ = build(data_dir, "--block-size", "4", *flags, seed=5)
+        assert model.decoder.output_projection.weight.is_inference()
+        sample = random_sample(task, bsz=5, seed=4)
+        assert_same(greedy(model, task, sample), blockwise(model, task, sample, 4)[0])
+        model.load_state_dict(other.state_dict())
+        hypos = blockwise(model, task, sample, 4)[0]  # first: fairseq's generator calls eval()
+        assert_same(greedy(model, task, sample), hypos)
