@@ -191,9 +191,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
         self_attn_mask: n x n, 0 where block token i may attend to block token j and
         -inf elsewhere, the same for every sentence (default causal: a chain; a tree
         passes its ancestor mask). Every token attends to the whole cached prefix.
-        Sentences whose cached prefixes differ in length are left-aligned, the gaps
-        hidden by the cache's key padding mask (crop_cache). Returns features b x n x C
-        and the alignment layer's attention b x n x S (mean over heads).
+        Sentences whose cached prefixes differ in length share the cache's columns, the
+        entries not theirs (gaps, rejected ones) hidden by its key padding mask
+        (crop_cache). Returns features b x n x C and the alignment layer's attention
+        b x n x S (mean over heads).
         """
         n = tokens.size(1)
         x = self.embed_scale * self.embed_tokens(tokens)
