@@ -39,6 +39,14 @@ DEFAULT_BLOCK_SIZE = 4
 COMPACT_AT = 0.5
 
 
+def weights_key(*weights):
+    """What tells that weights changed (storage, version counter, dtype, device), or None for
+    torch.inference_mode's tensors, which keep no version counter: then nothing does."""
+    if any(w.is_inference() for w in weights):
+        return None
+    return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+
+
 @dataclass
 class BlockwiseHeadsConfig(FairseqDataclass):
     head_layout: ChoiceEnum(["base", "paper"]) = field(
@@ -124,16 +132,27 @@ class BlockwiseDecoder(TransformerDecoderBase):
     def transposed_projection(self):
         """The output projection's weight transposed, contiguous: C x V, for decoding only.
 
-        Copied again whenever the weight changes (an optimizer step, .to(), .double()):
-        the key is its storage and version counter (and whether it is made under
-        inference_mode, whose tensors autograd refuses). No gradient flows through it.
+        Copied again whenever the weight changes (.to(), .double(), load_state_dict): the
+        key is its storage and version counter, and whether it was made under
+        inference_mode (whose tensors autograd refuses); after training (train()) it is
+        dropped. No gradient flows through it.
         """
         weight = self.output_projection.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, torch.is_inference_mode_enabled())
+        key = weights_key(weight)
+        if key is None:  # nothing would tell an in-place change: nn.Linear's product, no copy
+            return weight.detach().t()
+        key += (torch.is_inference_mode_enabled(),)
         if getattr(self, "_transposed_key", None) != key:
             self._transposed = weight.detach().t().contiguous()
             self._transposed_key = key
         return self._transposed
+
+    def train(self, mode=True):
+        """Drop what decoding keeps of the weights (transposed_projection, position_table):
+        fairseq's optimizers update p.data in place, which moves no version counter, and
+        fairseq's Trainer switches modes around every step and validation."""
+        self._transposed_key = self._position_key = None
+        return super().train(mode)
 
     def forward(
         self,
@@ -174,9 +193,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
         self_attn_mask: n x n, 0 where block token i may attend to block token j and
         -inf elsewhere, the same for every sentence (default causal: a chain; a tree
         passes its ancestor mask). Every token attends to the whole cached prefix.
-        Sentences whose cached prefixes differ in length are left-aligned, the gaps
-        hidden by the cache's key padding mask (crop_cache). Returns features b x n x C
-        and the alignment layer's attention b x n x S (mean over heads).
+        Sentences whose cached prefixes differ in length share the cache's columns, the
+        entries not theirs (gaps, rejected ones) hidden by its key padding mask
+        (crop_cache). Returns features b x n x C and the alignment layer's attention
+        b x n x S (mean over heads).
         """
         n = tokens.size(1)
         x = self.embed_scale * self.embed_tokens(tokens)
@@ -296,13 +316,13 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal).
 
         Kept across calls (each decoder invocation reads it) in a power-of-two size, and
-        made again when the embeddings' weights, dtype or device change.
+        made again when the embeddings' weights, dtype or device change, or after train().
         """
         weight = self.embed_tokens.weight
-        key = (weight.dtype, weight.device, torch.is_inference_mode_enabled(),
-               *((p.data_ptr(), p._version) for p in self.embed_positions.parameters()))
+        key = weights_key(weight, *self.embed_positions.parameters())
+        key = key and key + (torch.is_inference_mode_enabled(),)
         table = getattr(self, "_position_table", None)
-        if table is None or table.size(0) < size or self._position_key != key:
+        if key is None or table is None or table.size(0) < size or self._position_key != key:
             rows = min(1 << max(size - 1, 63).bit_length(), max(size, self.max_positions()))  # 64 at least
             dummy = torch.full((1, rows), self.padding_idx + 1, dtype=torch.long, device=weight.device)
             self._position_table, self._position_key = self.embed_positions(dummy)[0].detach(), key

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from conftest import build, random_sample
-from test_generator import Oracle, assert_same, blockwise, greedy
+from test_generator import CacheWatch, Oracle, RandomRuns, assert_same, blockwise, ending_model, greedy
 
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.adaptive import (
@@ -230,3 +230,21 @@ def test_adaptive_refuses_what_is_no_greedy_chain(data_dir, flags, message):
     args.sampling = "--sampling" in flags
     with pytest.raises(BlockwiseRequestError, match=message):
         task.build_generator([model], args)
+
+
+class AdaptiveRandomRuns(RandomRuns, Widths):
+    pass
+
+
+@pytest.mark.parametrize("bsz", [7, 16])
+def test_adaptive_widths_over_random_acceptance_lengths_give_greedy_output(data_dir, bsz):
+    """Widths chosen block by block (width 1, the lean path, among them) over a cache whose
+    sentences kept different lengths: masked holes, compactions, greedy's output."""
+    task, model = ending_model(data_dir, 5)
+    sample = random_sample(task, bsz=bsz, seed=1, max_len=20)
+    expected = greedy(model, task, sample, max_len_b=40)
+    watch = CacheWatch(model.decoder)
+    hypos, generator = blockwise(model, task, sample, 5, AdaptiveRandomRuns, max_len_b=40, seed=bsz,
+                                 references=[e["tokens"] for e in expected], cost=FixedCost())
+    assert_same(expected, hypos)
+    assert len(set(generator.chosen)) > 1 and watch.holes > 0

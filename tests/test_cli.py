@@ -32,12 +32,13 @@ def commands(tiny, tmp_path):
         "--path", tiny.checkpoint, "--cpu", "--source-lang", "de", "--target-lang", "en",
         "--buffer-size", 4, "--batch-size", 3, stdin=source,
     )
-    # A few updates from the tiny model, validating with --eval-bleu (both runs train alike);
-    # --save-dir, though nothing is saved: --finetune-from-model refuses one holding a checkpoint.
+    # A few updates from the tiny model, validating with --eval-bleu after each (both runs train
+    # alike); --save-dir, though nothing is saved: --finetune-from-model refuses one holding a checkpoint.
     train = partial(
         run, "fairseq-train", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
         "--arch", "transformer_blockwise", "--block-size", BLOCK_SIZE, "--criterion", "blockwise_cross_entropy",
-        *TRAIN, "--max-update", 2, "--finetune-from-model", tiny.checkpoint, "--no-save", "--eval-bleu",
+        *TRAIN, "--max-update", 2, "--validate-interval-updates", 1, "--finetune-from-model", tiny.checkpoint,
+        "--no-save", "--eval-bleu",
     )
     rates = f"{tmp_path}/tree-rates.json"
     measure = partial(subprocess.run, [sys.executable, f"{ROOT}/scripts/tree_rates.py", "--data", tiny.data,
@@ -172,12 +173,12 @@ def test_hub_interface(tiny):
 
 
 def test_eval_bleu_during_training(runs):
-    """Validation BLEU under --blockwise is greedy's."""
+    """Validation BLEU under --blockwise is greedy's, after every update (the weights changed)."""
     blockwise, greedy = runs["train blockwise"], runs["train greedy"]
-    scores = [re.search(r"\| valid on 'valid' subset \|.*\| bleu ([\d.]+) \|", out) for out in (blockwise, greedy)]
-    assert all(scores), blockwise[-3000:]
-    assert float(scores[0][1]) == float(scores[1][1]) > 0
-    assert summary(blockwise).sentences == 20  # the valid subset, decoded once
+    scores = [re.findall(r"\| valid on 'valid' subset \|.*\| bleu ([\d.]+) \|", out) for out in (blockwise, greedy)]
+    assert len(scores[1]) == 2, greedy[-3000:]
+    assert scores[0] == scores[1] and float(scores[1][0]) > 0, blockwise[-3000:]
+    assert summary(blockwise).sentences == 2 * 20  # the valid subset, decoded after each update
     assert not SUMMARY.search(greedy)
 
 

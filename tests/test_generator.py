@@ -320,3 +320,244 @@ def test_masked_holes_and_compaction_match_a_full_prefix_pass(data_dir):
             cached, rows = cached[active], [rows[i] for i in active.tolist()]
     assert saw_holes and compactions > 0
 
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"], ["--share-decoder-input-output-embed"]])
+def test_decoding_between_fairseqs_optimizer_steps_uses_the_new_weights(data_dir, flags):
+    """fairseq's optimizers update p.data in place, which leaves the parameter's version
+    counter and storage alone: validation with --blockwise (--eval-bleu) between training
+    steps must still decode with the weights just trained, as fairseq's greedy does."""
+    from fairseq.optim.adam import Adam
+
+    task, model, _ = build(data_dir, "--block-size", "4", *flags, seed=4)
+    sample = random_sample(task, bsz=5, seed=4)
+    before = greedy(model, task, sample)
+    assert_same(before, blockwise(model, task, sample, 4)[0])  # caches what decoding keeps
+    optimizer = Adam(model.parameters(), lr=0.3)
+    net_input = dict(sample["net_input"], prev_output_tokens=sample["net_input"]["src_tokens"])
+    for _ in range(2):  # fairseq's Trainer: train mode for the step, eval mode to validate
+        model.train()
+        optimizer.zero_grad()
+        logits, _ = model(**net_input)
+        (-logits.log_softmax(-1)[..., 7:12].mean()).backward()
+        optimizer.step()
+        model.eval()
+        after = greedy(model, task, sample)
+        assert [e["tokens"].tolist() for e in after] != [e["tokens"].tolist() for e in before]
+        assert_same(after, blockwise(model, task, sample, 4)[0])
+        before = after
+
+
+class RandomRuns(Oracle):
+    """Proposes each sentence's true continuation for a random number of block positions,
+    then wrong tokens: the sentences of a batch accept different lengths block after block.
+    random_widths: each block's width is drawn too (1 to block_size), as --blockwise-adaptive
+    may change it, width 1 (no proposals) included."""
+
+    def __init__(self, *args, seed=0, random_widths=False, **kwargs):
+        super().__init__(*args, agree=True, **kwargs)
+        self.rng, self.random_widths = torch.Generator().manual_seed(seed), random_widths
+
+    def block_width(self, batch_size):
+        if not self.random_widths:
+            return super().block_width(batch_size)
+        if float(torch.rand((), generator=self.rng)) < 0.4:  # the lean path, often after wide blocks
+            return 1
+        return int(torch.randint(2, self.block_size + 1, (), generator=self.rng))
+
+    def propose(self, features, sentence, tokens, length):
+        true = super().propose(features, sentence, tokens, length)  # b x w-1 x 1
+        right = torch.randint(0, true.size(1) + 1, (true.size(0), 1, 1), generator=self.rng)
+        return torch.where(torch.arange(true.size(1))[:, None] < right, true, 4 + (true - 3) % 20)
+
+
+class CacheWatch:
+    """Counts, over the crops of a decoder, those that left masked holes before kept entries
+    and the compactions of a cache that had holes."""
+
+    def __init__(self, decoder):
+        self.holes = self.compactions = 0
+        crop, compact = decoder.crop_cache, decoder.compact_cache
+
+        def watched_crop(state, *args):
+            lengths = crop(state, *args)
+            mask = decoder.layers[0].self_attn._get_input_buffer(state)["prev_key_padding_mask"]
+            if mask is not None:
+                mask = mask.bool()
+                assert (~mask).sum(1).tolist() == lengths.tolist()  # the unmasked entries are the prefix
+                self.holes += bool((mask[:, :-1] & ~mask[:, 1:]).any())
+            return lengths
+
+        def watched_compact(state, cached, old_width, holes, *args):
+            self.compactions += holes is not None
+            return compact(state, cached, old_width, holes, *args)
+
+        decoder.crop_cache, decoder.compact_cache = watched_crop, watched_compact
+
+
+def ending_model(data_dir, block_size):
+    """A model whose greedy outputs end after 4 to 41 tokens (max_len_b 40) at bsz 16, EOS
+    weighted in the plain projection (no hook: decoding takes the transposed copy)."""
+    task, model, _ = build(data_dir, "--block-size", str(block_size), seed=1)
+    with torch.no_grad():
+        model.decoder.output_projection.weight[task.target_dictionary.eos()] *= 3
+    return task, model
+
+
+@pytest.mark.parametrize("random_widths", [False, True])
+@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("bsz,max_len_b", [(1, 40), (7, 40), (16, 40), (16, 9)])
+def test_random_acceptance_lengths_with_holes_and_compactions_give_greedy_output(
+        data_dir, block_size, bsz, max_len_b, random_widths):
+    task, model = ending_model(data_dir, block_size)
+    sample = random_sample(task, bsz=bsz, seed=1, max_len=20)
+    expected = greedy(model, task, sample, max_len_b=max_len_b)
+    watch = CacheWatch(model.decoder)
+    hypos, generator = blockwise(model, task, sample, block_size, RandomRuns, max_len_b=max_len_b,
+                                 references=[e["tokens"] for e in expected], seed=bsz + block_size,
+                                 random_widths=random_widths)
+    assert_same(expected, hypos)
+    if bsz > 1 and max_len_b == 40:
+        assert watch.holes > 0
+        assert watch.compactions > 0 or bsz < 16 or (random_widths and block_size == 4)
+    assert len(generator.stats.accepted) > 2  # blocks kept many different lengths
+
+
+@pytest.mark.parametrize("options", [{"match_source_len": True}, {"min_len": 12}, {"unk_penalty": -3.0},
+                                     {"temperature": 0.7}, {"max_len_a": 1.0, "max_len_b": 2},
+                                     {"len_penalty": 0.6}])
+def test_greedy_options_over_random_acceptance_lengths(data_dir, options):
+    from fairseq.tasks.translation import TranslationTask
+    from test_refusals import generation_args
+
+    task, model = ending_model(data_dir, 6)
+    sample = random_sample(task, bsz=16, seed=1, max_len=20)
+    options = {"max_len_b": 40, **options}
+    if options.get("match_source_len"):  # fairseq's LengthConstrainedBeamSearch, which its task builds
+        constrained = TranslationTask.build_generator(task, [model], generation_args(**options))
+        expected = [h[0] for h in constrained.generate([model], sample)]
+    else:
+        expected = greedy(model, task, sample, **options)
+    watch = CacheWatch(model.decoder)
+    hypos, _ = blockwise(model, task, sample, 6, RandomRuns, references=[e["tokens"] for e in expected], seed=6,
+                         **options)
+    assert_same(expected, hypos)
+    assert watch.holes > 0
+
+
+def assert_identical(hypos, others):
+    """The same tokens, and scores and attention within float32 rounding (they are stored in float32)."""
+    for h, o in zip(hypos, others):
+        h, o = h[0], o[0]
+        assert h["tokens"].tolist() == o["tokens"].tolist()
+        running, other_running = h["positional_scores"].cumsum(0), o["positional_scores"].cumsum(0)
+        assert torch.allclose(running, other_running, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(h["attention"], o["attention"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{"topk": 2}, {"min_block": 2}, {"topk": 3, "min_block": 3}])
+def test_masked_holes_decode_as_gathering_every_block(data_dir, monkeypatch, options):
+    """Rules that are not greedy's (--blockwise-topk, --blockwise-min-block): rejected entries
+    left as masked holes decode exactly as gathering them out every block."""
+    import fairseq_bpd.model
+
+    task, model = ending_model(data_dir, 5)
+    sample = random_sample(task, bsz=16, seed=1, max_len=20)
+    eos = task.target_dictionary.eos()
+    # Greedy's outputs, then EOS: these rules may run past greedy's end.
+    references = [torch.cat([e["tokens"], e["tokens"].new_full((45,), eos)])
+                  for e in greedy(model, task, sample, max_len_b=40)]
+    watch = CacheWatch(model.decoder)
+    held, generator = blockwise(model, task, sample, 5, RandomRuns, max_len_b=40, references=references, seed=5,
+                                **options)
+    assert watch.holes > 0 and len(generator.stats.accepted) > 2
+    monkeypatch.setattr(fairseq_bpd.model, "COMPACT_AT", -1.0)  # no hole survives a block
+    watch.holes = 0
+    gathered, _ = blockwise(model, task, sample, 5, RandomRuns, max_len_b=40, references=references, seed=5,
+                            **options)
+    assert watch.holes == 0
+    assert_identical(held, gathered)
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"], ["--share-decoder-input-output-embed"]])
+def test_decoding_follows_loaded_weights_and_dtype_changes(data_dir, flags):
+    """What decoding keeps of the weights (the transposed projection, the position table) is
+    made again after load_state_dict and after a round trip through float32."""
+    task, model, _ = build(data_dir, "--block-size", "4", *flags, seed=4)
+    _, other, _ = build(data_dir, "--block-size", "4", *flags, seed=5)
+    sample = random_sample(task, bsz=5, seed=4)
+    before = blockwise(model, task, sample, 4)[0]  # caches
+    model.load_state_dict(other.state_dict())
+    # Blockwise first: fairseq's SequenceGenerator calls eval(), which drops the caches.
+    hypos = blockwise(model, task, sample, 4)[0]
+    expected = greedy(model, task, sample)
+    assert [e["tokens"].tolist() for e in expected] != [h[0]["tokens"].tolist() for h in before]
+    assert_same(expected, hypos)
+    model.float()
+    blockwise(model, task, sample, 4)  # caches float32 copies
+    model.double()  # float32-rounded weights, in float64
+    hypos = blockwise(model, task, sample, 4)[0]
+    assert_same(greedy(model, task, sample), hypos)
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"]])
+def test_outputs_as_long_as_small_max_target_positions_allow(data_dir, flags):
+    """--max-target-positions 16: outputs of 15 tokens and EOS, blocks of 8 running into the
+    last position (the position table is capped there)."""
+    task, model, _ = build(data_dir, "--block-size", "8", "--max-target-positions", "16", *flags, seed=1)
+    sample = random_sample(task, bsz=9, seed=1, max_len=14)
+    expected = greedy(model, task, sample, max_len_b=200)
+    assert max(len(e["tokens"]) for e in expected) == 16
+    assert_same(expected, blockwise(model, task, sample, 8, max_len_b=200)[0])
+    assert_same(expected, blockwise(model, task, sample, 8, max_len_b=200, tree=16)[0])
+    hypos, _ = blockwise(model, task, sample, 8, RandomRuns, max_len_b=200, references=[e["tokens"] for e in expected])
+    assert_same(expected, hypos)
+    assert model.decoder.position_table(1).size(0) == 1 and model.decoder._position_table.size(0) == 16
+
+
+def test_nan_log_probs_become_minus_inf_as_in_fairseq(data_dir):
+    """fairseq's greedy turns NaN log-probs into -inf (lprobs[lprobs != lprobs] = -inf); head 1's
+    log-probs do the same whether the NaNs are few (a NaN or +inf logit poisons its row's
+    normaliser) or none (the finite-sum shortcut)."""
+    task, model, _ = build(data_dir, "--block-size", "3", seed=3)
+    generator = BlockwiseGenerator(model, task.target_dictionary, block_size=3)
+    decoder, project = model.decoder, model.decoder.project
+    features = torch.randn(2, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    steps = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    poisoned = {}
+
+    def poisoning(x, vocab=0):
+        logits = project(x, vocab)
+        for (row, position, word), value in poisoned.items():
+            logits[row, position, word] = value
+        return logits
+
+    decoder.project = poisoning
+    for poisoned in ({}, {(0, 1, 5): math.nan}, {(1, 2, 7): math.inf, (0, 0, 9): -math.inf}):
+        logits = project(features)
+        for (row, position, word), value in poisoned.items():
+            logits[row, position, word] = value
+        expected = model.get_normalized_probs((logits, None), log_probs=True)
+        expected[expected != expected] = -math.inf
+        expected[..., generator.pad] = -math.inf
+        lprobs = generator.head1_lprobs(features, steps, None, None, 20, None, torch.tensor([5, 5]))
+        assert not lprobs.isnan().any()
+        assert torch.equal(lprobs, expected)
+        assert lprobs.isinf().all(-1).sum() == sum(v != -math.inf for v in poisoned.values())
+    del decoder.project
+
+
+@pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"]])
+def test_a_model_made_under_inference_mode_decodes_as_greedy(data_dir, flags):
+    """Weights made or loaded under torch.inference_mode() are inference tensors, which keep no
+    version counter: decoding must neither fail on them nor keep a copy that a later
+    load_state_dict (in place, under inference_mode) leaves stale."""
+    with torch.inference_mode():
+        task, model, _ = build(data_dir, "--block-size", "4", *flags, seed=4)
+        _, other, _ = build(data_dir, "--block-size", "4", *flags, seed=5)
+        assert model.decoder.output_projection.weight.is_inference()
+        sample = random_sample(task, bsz=5, seed=4)
+        assert_same(greedy(model, task, sample), blockwise(model, task, sample, 4)[0])
+        model.load_state_dict(other.state_dict())
+        hypos = blockwise(model, task, sample, 4)[0]  # first: fairseq's generator calls eval()
+        assert_same(greedy(model, task, sample), hypos)

@@ -381,3 +381,27 @@ def test_interactive_samples_through_the_cli(trained_tiny):
     assert sorted(first) == list(range(6))
     assert run(1) == first
     assert run(2) != first
+
+
+def test_masked_holes_sample_as_gathering_every_block(data_dir, monkeypatch):
+    """Longer outputs whose sentences accept different lengths: rejected entries left in the
+    cache as masked holes draw the same sentences, at one seed, as gathering them out every block."""
+    import fairseq_bpd.model
+    from test_generator import CacheWatch, assert_identical, ending_model
+
+    task, model = ending_model(data_dir, 5)
+    batch = random_sample(task, bsz=16, seed=1, max_len=20)
+
+    def draw_all():
+        sampler = SpeculativeSampler(model, task.target_dictionary, block_size=5, max_len_b=40,
+                                     generator=torch.Generator().manual_seed(0))
+        return sampler.generate([model], batch), sampler
+
+    watch = CacheWatch(model.decoder)
+    held, sampler = draw_all()
+    assert watch.holes > 0 and len(sampler.stats.accepted) > 2
+    monkeypatch.setattr(fairseq_bpd.model, "COMPACT_AT", -1.0)  # no hole survives a block
+    watch.holes = 0
+    gathered, _ = draw_all()
+    assert watch.holes == 0
+    assert_identical(held, gathered)

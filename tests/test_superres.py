@@ -333,3 +333,24 @@ def test_cli_end_to_end(tmp_path):
     assert len(read["S"][0]) == 16 and len(read["T"][0]) == 64
     truth = open(f"{data}/raw/test.hr").read().splitlines()
     assert [" ".join(map(str, read["T"][i])) for i in range(6)] == truth
+
+
+def test_masked_holes_under_a_distance_decode_as_gathering_every_block(tmp_path, monkeypatch):
+    """Images of 36 pixels, --blockwise-distance 3: sentences accept different lengths, and the
+    rejected entries left as masked holes decode as gathering them out every block."""
+    import fairseq_bpd.model
+    from test_generator import CacheWatch, assert_identical
+
+    directory = numeric_data(str(tmp_path / "numeric"), high=[6, 6])
+    task, model, _ = build(directory, "--block-size", "6", seed=7, task="superres_blockwise")
+    sample = random_sample(task, bsz=16, seed=7)
+    options = {"min_len": 36, "max_len_b": 36, "distance": 3.0}
+    watch = CacheWatch(model.decoder)
+    held, generator = blockwise(model, task, sample, 6, **options)
+    assert watch.holes > 0 and len(generator.stats.accepted) > 2
+    assert all(len(h[0]["tokens"]) == 37 for h in held)
+    monkeypatch.setattr(fairseq_bpd.model, "COMPACT_AT", -1.0)  # no hole survives a block
+    watch.holes = 0
+    gathered, _ = blockwise(model, task, sample, 6, **options)
+    assert watch.holes == 0
+    assert_identical(held, gathered)

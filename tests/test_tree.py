@@ -2,6 +2,7 @@
 import json
 from argparse import Namespace
 import math
+import random
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from conftest import build, random_sample
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks.translation import TranslationTask
-from test_generator import Oracle, assert_same, blockwise, eos_ending, greedy
+from test_generator import CacheWatch, Oracle, assert_same, blockwise, ending_model, eos_ending, greedy
 from test_refusals import PrefixBlocker, generation_args, repeats
 
 from fairseq_bpd.tree import Tree, best_paths, default_rates, load_rates
@@ -335,3 +336,21 @@ def test_a_smaller_block_size_keeps_the_tree_within_its_heads(data_dir):
     hypos, generator = blockwise(model, task, sample, 3, tree=16)
     assert generator.layout.max_depth == 2  # heads 2 and 3 of the checkpoint's 5
     assert_same(greedy(model, task, sample), hypos)
+
+
+@pytest.mark.parametrize("bsz,max_len_b", [(1, 40), (7, 40), (16, 40), (16, 9)])
+@pytest.mark.parametrize("size", [4, 16])
+def test_random_tree_paths_among_masked_holes_give_greedy_output(data_dir, size, bsz, max_len_b):
+    """Each sentence's true tokens at a random rank per block (or nowhere): chain prefixes
+    leave masked holes that a later tree path's compaction must skip."""
+    task, model = ending_model(data_dir, 5)
+    sample = random_sample(task, bsz=bsz, seed=1, max_len=20)
+    expected = greedy(model, task, sample, max_len_b=max_len_b)
+    rng = random.Random(size + bsz)
+    watch = CacheWatch(model.decoder)
+    hypos, generator = blockwise(model, task, sample, 5, TreeOracle, tree=size, max_len_b=max_len_b,
+                                 references=[e["tokens"] for e in expected],
+                                 place=lambda s: rng.choice([0, 0, 1, 2, None]))
+    assert_same(expected, hypos)
+    assert len(generator.stats.accepted) > 2
+    assert watch.compactions > 0 or bsz == 1  # gathers of a cache whose columns were masked
