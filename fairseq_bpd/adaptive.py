@@ -61,18 +61,28 @@ def nonnegative_solve(gram, moment):
 
 
 class InvocationCost:
-    """A running non-negative least-squares fit of invocation seconds on cost_features.
+    """A running non-negative least-squares fit of invocation seconds on cost_features,
+    times a per-width correction.
 
     Old timings fade by `forgetting` per timing: the fit follows the machine's load,
     and a width not timed for a long while fades to a cost of 0 (the ridge's pull),
-    which makes choose_width try it again.
+    which makes choose_width try it again. The fit is linear in the block's rows, the
+    cost is not quite (batch 1 on the 2-core CPU: 3.0 ms at width 3, 3.4 at 5, 4.3 at
+    8, where the line says 3.6): each timed width keeps a running ratio of its timings
+    to the fit, within CORRECTION (an untimed width keeps 1, the line).
     """
+
+    CORRECTION = (0.8, 1.25)  # a timing moves its width's ratio by at most this factor...
+    CORRECTION_FADE = 0.95  # ...and by 5% of it: one preempted invocation hardly shows
 
     def __init__(self, forgetting=0.98, ridge=1e-9):
         self.forgetting, self.ridge = forgetting, ridge
         self.gram = np.zeros((5, 5))
         self.moment = np.zeros(5)
-        self.coefficients = np.zeros(5)
+        self._coefficients = np.zeros(5)
+        self.ratio = {}  # width -> timings / fit
+        self.pending = []  # (width, features, seconds) timed since the last fit
+        self.features = {}  # (width, batch size) -> cost_features row
 
     def update(self, width, batch_size, seconds):
         """One invocation of `width` over `batch_size` sentences took `seconds`.
@@ -80,14 +90,37 @@ class InvocationCost:
         A timing over twice the prediction counts as twice it: on a shared CPU one
         preempted invocation would otherwise teach the fit a cost many times the real
         one. A lasting slow-down under 2x comes through whole, a larger one by steps.
+        Mostly accumulates: the fit is solved when read (refit), or every 4 timings.
         """
-        x = cost_features(np.array([width]), batch_size)[0]
-        predicted = x @ self.coefficients
+        if len(self.pending) >= 4:  # the cap reads the fit: never more than 4 timings old
+            self.refit()
+        x = self.features.get((width, batch_size))
+        if x is None:  # numpy's small-array calls cost more than the arithmetic: made once
+            x = self.features[width, batch_size] = cost_features(np.array([width]), batch_size)[0]
+        predicted = x @ self._coefficients
         if predicted > 0:
             seconds = min(seconds, 2 * predicted)
         self.gram = self.forgetting * self.gram + np.outer(x, x)
         self.moment = self.forgetting * self.moment + seconds * x
-        self.coefficients = nonnegative_solve(self.gram + self.ridge * np.eye(5), self.moment)
+        self.pending.append((width, x, seconds))
+
+    @property
+    def coefficients(self):
+        """The fit's 5 coefficients, solved again if timings came in since."""
+        if self.pending:
+            self.refit()
+        return self._coefficients
+
+    def refit(self):
+        """Solve the fit, then move each timed width's ratio towards its timings over it."""
+        self._coefficients = nonnegative_solve(self.gram + self.ridge * np.eye(5), self.moment)
+        fade = self.CORRECTION_FADE
+        for width, x, seconds in self.pending:
+            fitted = x @ self._coefficients
+            if fitted > 0:
+                ratio = np.clip(seconds / fitted, *self.CORRECTION)
+                self.ratio[width] = fade * self.ratio.get(width, 1.0) + (1 - fade) * ratio
+        self.pending = []
 
     def predict(self, widths, batch_size):
         """Seconds of an invocation of each width 1..k at this batch size: k -> k.
@@ -96,7 +129,9 @@ class InvocationCost:
         cost more than a wider one: a fit from other batch sizes cannot keep the lean
         path from being tried where wide blocks were timed cheaper.
         """
-        costs = cost_features(widths, batch_size) @ self.coefficients
+        coefficients = self.coefficients
+        correction = np.array([self.ratio.get(int(w), 1.0) for w in widths])
+        costs = cost_features(widths, batch_size) @ coefficients * correction
         return np.minimum.accumulate(costs[::-1])[::-1]
 
 
@@ -122,19 +157,44 @@ class AcceptanceRates:
         return self.passed / self.tried
 
 
+# The width is chosen again every DECIDE_EVERY blocks, or when the batch size changes;
+# in between the last choice holds (choosing costs numpy work of the order of 0.1 ms,
+# some 4% of a batch-1 block on the 2-core CPU). Every block is timed.
+DECIDE_EVERY = 4
+
+# Every EXPLORE_EVERY-th block takes a width next to the chosen one, alternately narrower
+# and wider. Timings of a single width cannot tell the fit's per-row cost from its
+# intercept; without them it drifted to flat costs and the widest block (batch 1 on the
+# 2-core CPU: width 8 at 1.30x greedy where 3 ran 1.53x). A neighbour costs little.
+EXPLORE_EVERY = 8
+
+
+def neighbour(width, widest, turn):
+    """The width next to `width` in 1..widest: narrower on even turns, wider on odd ones
+    (the other side at either end)."""
+    step = -1 if turn % 2 == 0 else 1
+    if not 1 <= width + step <= widest:
+        step = -step
+    return min(max(width + step, 1), widest)
+
+
 class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
     """BlockwiseGenerator whose every block width is chosen by choose_width (--blockwise-adaptive).
 
     `cost`: anything with InvocationCost's update/predict (tests pass fixed costs);
-    `clock`: seconds, time.perf_counter by default. The rates and costs persist
+    `clock`: seconds, time.perf_counter by default; `explore_every`: every how many
+    blocks a neighbouring width is timed (0: never). The rates and costs persist
     across the batches of a run.
     """
 
-    def __init__(self, *args, cost=None, clock=time.perf_counter, **kwargs):
+    def __init__(self, *args, cost=None, clock=time.perf_counter, explore_every=EXPLORE_EVERY, **kwargs):
         super().__init__(*args, **kwargs)
         self.rates = AcceptanceRates(self.block_size - 1)
         self.cost = InvocationCost() if cost is None else cost
         self.clock = clock
+        self.explore_every = explore_every
+        self.blocks = 0
+        self.choice = None  # (batch size, width) last chosen
         self.widths = np.arange(1, self.block_size + 1)
         self.timing = None  # (width, batch size, start) of the block under way
 
@@ -158,8 +218,16 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
         if self.timing is not None:
             width, size, start = self.timing
             self.cost.update(width, size, now - start)
-        expected = expected_tokens(self.rates.rates())
-        width = choose_width(expected, self.cost.predict(self.widths, batch_size))
+        self.blocks += 1
+        if self.choice is None or self.choice[0] != batch_size or self.blocks % DECIDE_EVERY == 0:
+            expected, costs = expected_tokens(self.rates.rates()), self.cost.predict(self.widths, batch_size)
+            width = choose_width(expected, costs)
+            # A width never timed (cost 0) is tried once, then the choice is made again.
+            self.choice = (batch_size, width) if costs[width - 1] > 0 else None
+        else:
+            width = self.choice[1]
+        if self.explore_every and self.blocks % self.explore_every == 0:
+            width = neighbour(width, self.block_size, self.blocks // self.explore_every)
         self.stats.widths[width] += 1
         self.timing = (width, batch_size, now)
         return width

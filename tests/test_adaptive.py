@@ -1,4 +1,6 @@
 """--blockwise-adaptive: the width choice from hand-made rates and costs, and greedy output whatever it picks."""
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,8 @@ from test_generator import CacheWatch, Oracle, RandomRuns, assert_same, blockwis
 
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.adaptive import (
-    AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, expected_tokens, nonnegative_solve,
+    EXPLORE_EVERY, AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, expected_tokens,
+    neighbour, nonnegative_solve,
 )
 
 
@@ -47,7 +50,8 @@ def test_invocation_cost_follows_the_load_and_forgets_untimed_widths():
     for _ in range(50):  # the machine got busier
         cost.update(1, 1, 4e-3)
         cost.update(4, 1, 8e-3)
-    assert np.allclose(cost.predict(np.array([1, 2, 3, 4]), 1)[[0, 3]], [4e-3, 8e-3], rtol=1e-3)
+    # The fit follows at once; each width's correction (its ratio to the fit) trails by ~1%.
+    assert np.allclose(cost.predict(np.array([1, 2, 3, 4]), 1)[[0, 3]], [4e-3, 8e-3], rtol=0.02)
     for _ in range(400):  # width 1 only: the block's fit fades to the ridge's 0, which gets it tried again
         cost.update(1, 1, 4e-3)
     assert cost.coefficients[:2].sum() == pytest.approx(4e-3)  # the lean path at batch 1, still known
@@ -102,7 +106,7 @@ def test_adaptive_widths_give_greedy_output_and_settle(data_dir, bsz, agree, cos
     expected = greedy(model, task, sample, max_len_b=30)
     references = [e["tokens"] for e in expected]
     hypos, generator = blockwise(model, task, sample, 5, AdaptiveOracle, max_len_b=30,
-                                 references=references, agree=agree, cost=cost())
+                                 references=references, agree=agree, cost=cost(), explore_every=0)
     assert_same(expected, hypos)
     widths = generator.stats.widths
     assert sum(widths.values()) == len(generator.chosen)
@@ -217,7 +221,41 @@ def test_measured_costs_settle_as_hand_made_ones(data_dir, agree):
                                  references=[e["tokens"] for e in expected], agree=agree, clock=clock)
     assert_same(expected, hypos)
     tail = generator.chosen[len(generator.chosen) // 2:]
-    assert set(tail) == ({5} if agree else {1})
+    settled = 5 if agree else 1
+    explored = [width for block, width in enumerate(generator.chosen, 1) if block % EXPLORE_EVERY == 0]
+    assert Counter(tail).most_common(1)[0][0] == settled
+    assert set(tail) - set(explored) == {settled}  # other widths only where it explores
+    assert set(explored) <= {4 if agree else 2}  # the only neighbour
+
+
+def test_neighbours_alternate_and_stay_in_range():
+    assert [neighbour(3, 5, turn) for turn in range(4)] == [2, 4, 2, 4]
+    assert [neighbour(1, 5, turn) for turn in range(2)] == [2, 2]
+    assert [neighbour(5, 5, turn) for turn in range(2)] == [4, 4]
+    assert neighbour(1, 1, 0) == 1  # block size 1: nothing else to try
+
+
+def test_exploration_times_neighbours_of_a_fixed_choice(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "5", seed=4)
+    sample = random_sample(task, bsz=16, seed=4)
+    expected = greedy(model, task, sample, max_len_b=30)
+    timed = Counter()
+
+    class Three(FixedCost):  # width 3 is cheapest per token whatever the rates
+        def predict(self, widths, batch_size):
+            return np.where(widths == 3, 1.0, 100.0)
+
+        def update(self, width, batch_size, seconds):
+            timed[width] += 1
+
+    hypos, generator = blockwise(model, task, sample, 5, AdaptiveOracle, max_len_b=30,
+                                 references=[e["tokens"] for e in expected], agree=True, cost=Three(),
+                                 explore_every=4)
+    assert_same(expected, hypos)
+    blocks = len(generator.chosen)
+    assert Counter(generator.chosen) == Counter({3: blocks - blocks // 4, 2: (blocks // 4 + 1) // 2,
+                                                 4: blocks // 4 // 2})
+    assert sum(timed.values()) == blocks - 1  # each block timed when the next is chosen
 
 
 @pytest.mark.parametrize("flags,message", [
