@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Where a decoder invocation's time goes: blockwise at fixed widths beside a greedy step.
+
+Decodes the same sentences with fairseq's greedy SequenceGenerator and with
+BlockwiseGenerator at each --widths, timing each part of the loop by wrapping it (the
+wrappers cost a few microseconds a call, the same for every width). Prints a markdown
+table of milliseconds per loop iteration (a greedy step, or one blockwise invocation)
+and the invocation's cost relative to the greedy step. Decodes on the GPU when torch
+sees one (--cpu: the CPU); a GPU is synchronised around every timed part.
+
+  .venv/bin/python scripts/profile_invocation.py --data DATA --path CKPT \
+      [--batch-size 32] [--widths 1 2 4 8] [--max-sentences 128]
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import add_device_args, decode, describe, prepare  # noqa: E402
+
+BLOCKWISE_PARTS = (  # (object name, method, label): the loop's steps, in order
+    ("decoder", "forward_block", "decoder pass"),
+    ("generator", "head1_lprobs", "head-1 projection, log-softmax"),
+    ("generator", "verify_block", "verify, accept, commit"),
+    ("batch", "store", "store"),
+    ("decoder", "crop_cache", "cache crop"),
+    ("decoder", "reorder_incremental_state_scripting", "finished leave"),
+    ("generator", "propose", "proposals (heads 2..k)"),
+)
+GREEDY_PARTS = (
+    ("ensemble", "forward_decoder", "decoder step, projection, log-softmax"),
+    ("ensemble", "reorder_incremental_state", "finished leave (cache)"),
+    ("generator", "finalize_hypos", "finalize"),
+)
+
+
+class Timer:
+    """Seconds spent in wrapped methods, by label, and calls of the first (the loop count)."""
+
+    def __init__(self, synchronize):
+        self.seconds, self.calls = collections.Counter(), collections.Counter()
+        self.synchronize = synchronize
+
+    def wrap(self, obj, method, label):
+        """Time obj.method under `label`; returns what undoes it."""
+        inner, own = getattr(obj, method), method in vars(obj)  # own: defined on obj itself (a class)
+
+        def timed(*args, **kwargs):
+            self.synchronize()
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            self.synchronize()
+            self.seconds[label] += time.perf_counter() - start
+            self.calls[label] += 1
+            return result
+
+        setattr(obj, method, timed)
+        return lambda: setattr(obj, method, inner) if own else delattr(obj, method)
+
+
+def profile(generator, objects, parts, samples, model, synchronize):
+    """Milliseconds per loop iteration for each part, 'rest' and 'total', and the iteration count."""
+    decode(generator, model, samples[:1])  # warm-up
+    timer = Timer(synchronize)
+    undo = [timer.wrap(objects[name], method, label) for name, method, label in parts]
+    try:
+        _, total = decode(generator, model, samples)
+    finally:
+        for restore in undo:
+            restore()
+    iterations = timer.calls[parts[0][2]]
+    row = {label: 1000 * timer.seconds[label] / iterations for _, _, label in parts}
+    row["rest"] = 1000 * total / iterations - sum(row.values())
+    row["total"] = 1000 * total / iterations
+    return row, iterations
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--subset", default="test")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--max-sentences", type=int, default=128)
+    add_device_args(ap)
+    args = ap.parse_args()
+    model, task, _, samples, _, _ = prepare(args)
+    from fairseq_bpd import generator as blockwise_module
+    from fairseq_bpd.generator import BlockwiseGenerator
+
+    device = next(model.parameters()).device
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tgt_dict = task.target_dictionary
+    greedy = SequenceGenerator([model], tgt_dict, beam_size=1)
+    rows = {"greedy": profile(greedy, {"ensemble": greedy.model, "generator": greedy}, GREEDY_PARTS,
+                              samples, model, synchronize)}
+    for width in args.widths:
+        generator = BlockwiseGenerator(model, tgt_dict, block_size=width)
+        objects = {"decoder": model.decoder, "generator": generator, "batch": blockwise_module.Batch}
+        rows[f"width {width}"] = profile(generator, objects, BLOCKWISE_PARTS, samples, model, synchronize)
+    step = rows["greedy"][0]["total"]
+    print(f"{len(samples)} batches of {args.batch_size}, {describe(device)}: ms per loop iteration "
+          f"(a greedy step; a blockwise invocation)\n")
+    labels = [label for _, _, label in GREEDY_PARTS + BLOCKWISE_PARTS] + ["rest", "total"]
+    print("| part | " + " | ".join(rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for label in labels:
+        cells = [f"{row[label]:.3f}" if label in row else "" for row, _ in rows.values()]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print("| iterations | " + " | ".join(str(n) for _, n in rows.values()) + " |")
+    print("| relative to a greedy step | " + " | ".join(f"{row['total'] / step:.2f}x" for row, _ in rows.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
