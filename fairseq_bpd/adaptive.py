@@ -8,6 +8,7 @@ Width 1 runs no proposal heads (the generator's lean path), so when the heads st
 paying the generator decodes at greedy's speed; the output is greedy's either way.
 """
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -81,8 +82,8 @@ class InvocationCost:
         self.moment = np.zeros(5)
         self._coefficients = np.zeros(5)
         self.ratio = {}  # width -> timings / fit
-        self.pending = []  # (width, features, seconds) timed since the last fit
-        self.features = {}  # (width, batch size) -> cost_features row
+        self.pending = []  # (width, batch size, seconds) timed since the last fit
+        self.features = {}  # (widths, batch size) -> cost_features rows
 
     def update(self, width, batch_size, seconds):
         """One invocation of `width` over `batch_size` sentences took `seconds`.
@@ -90,19 +91,19 @@ class InvocationCost:
         A timing over twice the prediction counts as twice it: on a shared CPU one
         preempted invocation would otherwise teach the fit a cost many times the real
         one. A lasting slow-down under 2x comes through whole, a larger one by steps.
-        Mostly accumulates: the fit is solved when read (refit), or every 4 timings.
+        Kept until the fit is next read (refit), or 16 have come: in the decoding loop
+        each small numpy call costs tens of microseconds (caches the model evicts).
         """
-        if len(self.pending) >= 4:  # the cap reads the fit: never more than 4 timings old
+        self.pending.append((width, batch_size, seconds))
+        if len(self.pending) >= 16:
             self.refit()
-        x = self.features.get((width, batch_size))
-        if x is None:  # numpy's small-array calls cost more than the arithmetic: made once
-            x = self.features[width, batch_size] = cost_features(np.array([width]), batch_size)[0]
-        predicted = x @ self._coefficients
-        if predicted > 0:
-            seconds = min(seconds, 2 * predicted)
-        self.gram = self.forgetting * self.gram + np.outer(x, x)
-        self.moment = self.forgetting * self.moment + seconds * x
-        self.pending.append((width, x, seconds))
+
+    def rows(self, widths, batch_size):
+        """cost_features, made once per (widths, batch size): m -> m x 5."""
+        key = (tuple(widths), batch_size)
+        if key not in self.features:
+            self.features[key] = cost_features(np.asarray(widths), batch_size)
+        return self.features[key]
 
     @property
     def coefficients(self):
@@ -112,13 +113,22 @@ class InvocationCost:
         return self._coefficients
 
     def refit(self):
-        """Solve the fit, then move each timed width's ratio towards its timings over it."""
+        """Take in the pending timings, oldest first, solve the fit, then move each timed
+        width's ratio towards its timings over the new fit."""
+        x = np.concatenate([self.rows((width,), batch_size) for width, batch_size, _ in self.pending])  # m x 5
+        seconds = np.array([timing for _, _, timing in self.pending])
+        predicted = x @ self._coefficients
+        seconds = np.where(predicted > 0, np.minimum(seconds, 2 * predicted), seconds)
+        weights = self.forgetting ** np.arange(len(seconds) - 1, -1, -1.0)  # the newest weighs 1
+        fade = self.forgetting ** len(seconds)
+        self.gram = fade * self.gram + (x * weights[:, None]).T @ x
+        self.moment = fade * self.moment + (weights * seconds) @ x
         self._coefficients = nonnegative_solve(self.gram + self.ridge * np.eye(5), self.moment)
+        fitted = x @ self._coefficients
         fade = self.CORRECTION_FADE
-        for width, x, seconds in self.pending:
-            fitted = x @ self._coefficients
-            if fitted > 0:
-                ratio = np.clip(seconds / fitted, *self.CORRECTION)
+        for (width, _, _), timing, fit in zip(self.pending, seconds.tolist(), fitted.tolist()):
+            if fit > 0:
+                ratio = min(max(timing / fit, self.CORRECTION[0]), self.CORRECTION[1])
                 self.ratio[width] = fade * self.ratio.get(width, 1.0) + (1 - fade) * ratio
         self.pending = []
 
@@ -131,7 +141,7 @@ class InvocationCost:
         """
         coefficients = self.coefficients
         correction = np.array([self.ratio.get(int(w), 1.0) for w in widths])
-        costs = cost_features(widths, batch_size) @ coefficients * correction
+        costs = self.rows(widths, batch_size) @ coefficients * correction
         return np.minimum.accumulate(costs[::-1])[::-1]
 
 
@@ -145,22 +155,32 @@ class AcceptanceRates:
     def __init__(self, proposals):
         self.passed = np.ones(proposals)
         self.tried = np.ones(proposals)
+        # How many sentences reached (tried) and passed the first n proposals, by n: plain
+        # Counters, folded into the arrays when the rates are read (see InvocationCost.update).
+        self.reach, self.past = Counter(), Counter()
 
     def update(self, width, kept, limit):
-        """A block of `width` kept `kept` (b, numpy) tokens, at most `limit` (b) allowed."""
-        j = np.arange(1, width)  # proposal numbers
-        tried = (kept[:, None] >= j) & (j < limit[:, None])  # b x w-1: reached, and could pass
-        self.tried[: width - 1] += tried.sum(0)
-        self.passed[: width - 1] += (kept[:, None] > j).sum(0)
+        """A block of `width` kept `kept` (b) tokens, at most `limit` (b) allowed.
+
+        Proposal j was tried when kept >= j and j < limit, and passed when kept > j.
+        """
+        for k, most in zip(kept.tolist(), limit.tolist()):
+            self.reach[min(k, most - 1, width - 1)] += 1
+            self.past[min(k - 1, width - 1)] += 1
 
     def rates(self):
+        for counts, total in ((self.reach, self.tried), (self.past, self.passed)):
+            for n, sentences in counts.items():
+                total[:n] += sentences
+            counts.clear()
         return self.passed / self.tried
 
 
 # The width is chosen again every DECIDE_EVERY blocks, or when the batch size changes;
-# in between the last choice holds (choosing costs numpy work of the order of 0.1 ms,
-# some 4% of a batch-1 block on the 2-core CPU). Every block is timed.
-DECIDE_EVERY = 4
+# in between the last choice holds. Choosing (the fit, the rates, the prediction) is some
+# 25 small numpy calls, about 0.2 ms inside the decoding loop on the 2-core CPU: 7% of a
+# batch-1 block if made every block. Every block is timed.
+DECIDE_EVERY = 8
 
 # Every EXPLORE_EVERY-th block takes a width next to the chosen one, alternately narrower
 # and wider. Timings of a single width cannot tell the fit's per-row cost from its
@@ -204,7 +224,7 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
 
     def accepted_block(self, width, kept, limit):
         if width > 1:
-            self.rates.update(width, kept.cpu().numpy(), limit.cpu().numpy())
+            self.rates.update(width, kept, limit)
 
     def propose(self, features, sentence, tokens, length):
         proposals = super().propose(features, sentence, tokens, length)

@@ -66,6 +66,7 @@ def test_acceptance_rates_count_each_proposal_given_its_predecessors():
     # Width 4 (3 proposals): kept 1 (proposal 1 failed), 3 (1, 2 passed, 3 failed), 4 (all passed),
     # and 2 with limit 2 (proposal 1 passed; proposal 2 could not have been kept).
     rates.update(4, np.array([1, 3, 4, 2]), np.array([4, 4, 4, 2]))
+    assert rates.rates().tolist() == [4 / 5, 3 / 3, 2 / 3, 1.0]  # reading the rates takes the counts in
     assert rates.tried.tolist() == [1 + 4, 1 + 2, 1 + 2, 1]
     assert rates.passed.tolist() == [1 + 3, 1 + 2, 1 + 1, 1]
 
