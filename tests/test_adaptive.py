@@ -9,7 +9,8 @@ from test_generator import CacheWatch, Oracle, RandomRuns, assert_same, blockwis
 
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.adaptive import (
-    EXPLORE_EVERY, AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, expected_tokens,
+    EXPLORE_EVERY, AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, cost_features,
+    expected_tokens,
     neighbour, nonnegative_solve,
 )
 
@@ -287,3 +288,33 @@ def test_adaptive_widths_over_random_acceptance_lengths_give_greedy_output(data_
                                  references=[e["tokens"] for e in expected], cost=FixedCost())
     assert_same(expected, hypos)
     assert len(set(generator.chosen)) > 1 and watch.holes > 0
+
+
+def test_counted_rates_follow_the_per_proposal_rule_on_random_blocks():
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        k = int(rng.integers(2, 9))
+        rates, tried, passed = AcceptanceRates(k - 1), np.ones(k - 1), np.ones(k - 1)
+        for _ in range(int(rng.integers(1, 6))):
+            width, b = int(rng.integers(2, k + 1)), int(rng.integers(1, 9))
+            kept = rng.integers(1, width + 1, size=b)
+            limit = np.maximum(kept, rng.integers(1, 12, size=b))
+            j = np.arange(1, width)  # proposal j: tried when reached and keepable, passed when kept past it
+            tried[: width - 1] += ((kept[:, None] >= j) & (j < limit[:, None])).sum(0)
+            passed[: width - 1] += (kept[:, None] > j).sum(0)
+            rates.update(width, kept, limit)
+        assert np.allclose(rates.rates(), passed / tried)
+
+
+def test_timings_taken_in_at_once_weigh_as_one_by_one():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        cost, gram, moment = InvocationCost(), np.zeros((5, 5)), np.zeros(5)
+        for _ in range(int(rng.integers(1, 16))):  # under 16: one refit, when read (no cap from a fit yet)
+            width, b = int(rng.integers(1, 9)), int(rng.integers(1, 33))
+            seconds = 1e-3 * (1 + 0.1 * b * width) * rng.uniform(0.9, 1.1)
+            x = cost_features(np.array([width]), b)[0]
+            gram, moment = 0.98 * gram + np.outer(x, x), 0.98 * moment + seconds * x
+            cost.update(width, b, seconds)
+        assert np.allclose(cost.coefficients, nonnegative_solve(gram + 1e-9 * np.eye(5), moment))
+        assert np.allclose(cost.gram, gram) and np.allclose(cost.moment, moment)
