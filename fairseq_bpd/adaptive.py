@@ -182,17 +182,21 @@ class AcceptanceRates:
 # batch-1 block if made every block. Every block is timed.
 DECIDE_EVERY = 8
 
-# Every EXPLORE_EVERY-th block takes a width next to the chosen one, alternately narrower
-# and wider. Timings of a single width cannot tell the fit's per-row cost from its
-# intercept; without them it drifted to flat costs and the widest block (batch 1 on the
-# 2-core CPU: width 8 at 1.30x greedy where 3 ran 1.53x). A neighbour costs little.
+# Every EXPLORE_EVERY-th block takes another width: the one below the chosen width, the
+# one above, then width 1, in turn. Timings of a single width cannot tell the fit's
+# per-row cost from its intercept; without them it drifted to flat costs and the widest
+# block (batch 1 on the 2-core CPU: width 8 at 1.30x greedy where 3 ran 1.53x). Width 1
+# (no heads) is the fallback whose cost must stay known: from width 3 its neighbours
+# never reach it, and batch 8 sat at width 3 (1.11x greedy) where width 1 ran 1.28x.
 EXPLORE_EVERY = 8
 
 
 def neighbour(width, widest, turn):
-    """The width next to `width` in 1..widest: narrower on even turns, wider on odd ones
-    (the other side at either end)."""
-    step = -1 if turn % 2 == 0 else 1
+    """The width to explore on `turn` from `width` in 1..widest: narrower, wider, then 1
+    (turns 0, 1, 2 of every 3; the other side at either end, the wider one for a 1)."""
+    if turn % 3 == 2 and width > 2:
+        return 1
+    step = -1 if turn % 3 == 0 else 1
     if not 1 <= width + step <= widest:
         step = -step
     return min(max(width + step, 1), widest)

@@ -227,13 +227,14 @@ def test_measured_costs_settle_as_hand_made_ones(data_dir, agree):
     explored = [width for block, width in enumerate(generator.chosen, 1) if block % EXPLORE_EVERY == 0]
     assert Counter(tail).most_common(1)[0][0] == settled
     assert set(tail) - set(explored) == {settled}  # other widths only where it explores
-    assert set(explored) <= {4 if agree else 2}  # the only neighbour
+    assert set(explored) <= ({4, 1} if agree else {2})  # below (or above) it, and the lean path
 
 
 def test_neighbours_alternate_and_stay_in_range():
-    assert [neighbour(3, 5, turn) for turn in range(4)] == [2, 4, 2, 4]
-    assert [neighbour(1, 5, turn) for turn in range(2)] == [2, 2]
-    assert [neighbour(5, 5, turn) for turn in range(2)] == [4, 4]
+    assert [neighbour(4, 5, turn) for turn in range(6)] == [3, 5, 1, 3, 5, 1]  # below, above, the lean path
+    assert [neighbour(2, 5, turn) for turn in range(3)] == [1, 3, 3]  # 1 is already below
+    assert [neighbour(1, 5, turn) for turn in range(3)] == [2, 2, 2]
+    assert [neighbour(5, 5, turn) for turn in range(3)] == [4, 4, 1]
     assert neighbour(1, 1, 0) == 1  # block size 1: nothing else to try
 
 
@@ -252,11 +253,13 @@ def test_exploration_times_neighbours_of_a_fixed_choice(data_dir):
 
     hypos, generator = blockwise(model, task, sample, 5, AdaptiveOracle, max_len_b=30,
                                  references=[e["tokens"] for e in expected], agree=True, cost=Three(),
-                                 explore_every=4)
+                                 explore_every=2)
     assert_same(expected, hypos)
-    blocks = len(generator.chosen)
-    assert Counter(generator.chosen) == Counter({3: blocks - blocks // 4, 2: (blocks // 4 + 1) // 2,
-                                                 4: blocks // 4 // 2})
+    blocks, explorations = len(generator.chosen), len(generator.chosen) // 2
+    # Every 2nd block explores: above (4), the lean path (1), below (2), in turn.
+    assert Counter(generator.chosen) == Counter({3: blocks - explorations}) + Counter(
+        [4, 1, 2][(turn - 1) % 3] for turn in range(1, explorations + 1))
+    assert explorations >= 3
     assert sum(timed.values()) == blocks - 1  # each block timed when the next is chosen
 
 
