@@ -40,11 +40,12 @@ COMPACT_AT = 0.5
 
 
 def weights_key(*weights):
-    """What tells that weights changed (storage, version counter, dtype, device), or None for
-    torch.inference_mode's tensors, which keep no version counter: then nothing does."""
+    """What tells that weights changed (storage, version counter, dtype, device), and whether
+    what is made from them is made under inference_mode (whose tensors autograd refuses);
+    None for inference_mode's own tensors, which keep no version counter: then nothing does."""
     if any(w.is_inference() for w in weights):
         return None
-    return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    return (torch.is_inference_mode_enabled(), *((w.data_ptr(), w._version, w.dtype, w.device) for w in weights))
 
 
 @dataclass
@@ -132,16 +133,13 @@ class BlockwiseDecoder(TransformerDecoderBase):
     def transposed_projection(self):
         """The output projection's weight transposed, contiguous: C x V, for decoding only.
 
-        Copied again whenever the weight changes (.to(), .double(), load_state_dict): the
-        key is its storage and version counter, and whether it was made under
-        inference_mode (whose tensors autograd refuses); after training (train()) it is
-        dropped. No gradient flows through it.
+        Copied again whenever the weight changes (.to(), .double(), load_state_dict: see
+        weights_key); after training (train()) it is dropped. No gradient flows through it.
         """
         weight = self.output_projection.weight
         key = weights_key(weight)
         if key is None:  # nothing would tell an in-place change: nn.Linear's product, no copy
             return weight.detach().t()
-        key += (torch.is_inference_mode_enabled(),)
         if getattr(self, "_transposed_key", None) != key:
             self._transposed = weight.detach().t().contiguous()
             self._transposed_key = key
@@ -265,9 +263,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
         lengths = cached + kept
         if block_width == 1:
             return lengths  # a block of one is kept whole: nothing to cut
-        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
-        old_width = buffer["prev_key"].size(2) - block_width
-        holes = buffer.get("prev_key_padding_mask")  # b x W + block_width, or None: no holes
+        old_width = self.cache_width(incremental_state) - block_width
+        holes = self.layers[0].self_attn._get_input_buffer(incremental_state).get(
+            "prev_key_padding_mask")  # b x W + block_width, or None: no holes
         longest = int(kept.max())
         offsets = torch.arange(longest, device=kept.device)
         beyond = offsets >= kept[:, None]  # b x longest: block entries a sentence rejected
@@ -320,7 +318,6 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """
         weight = self.embed_tokens.weight
         key = weights_key(weight, *self.embed_positions.parameters())
-        key = key and key + (torch.is_inference_mode_enabled(),)
         table = getattr(self, "_position_table", None)
         if key is None or table is None or table.size(0) < size or self._position_key != key:
             rows = min(1 << max(size - 1, 63).bit_length(), max(size, self.max_positions()))  # 64 at least

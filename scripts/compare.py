@@ -139,6 +139,14 @@ def raw_lines(data, subset, lang):
         return f.read().split("\n")
 
 
+def add_data_args(ap, subset="test"):
+    """--data, --path and --subset: the data-bin, the checkpoint and the split that load(),
+    batches() and prepare() read, shared by the scripts that decode a split."""
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--subset", default=subset)
+
+
 def add_device_args(ap):
     """--threads and --cpu, shared by the scripts that time decoding."""
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -165,9 +173,7 @@ def prepare(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--path", required=True)
-    ap.add_argument("--subset", default="test")
+    add_data_args(ap)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's k")
     ap.add_argument("--topk", type=int, default=1)

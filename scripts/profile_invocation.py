@@ -21,7 +21,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import add_device_args, decode, describe, prepare  # noqa: E402
+from compare import add_data_args, add_device_args, decode, describe, prepare  # noqa: E402
 
 BLOCKWISE_PARTS = (  # (object name, method, label): the loop's steps, in order
     ("decoder", "forward_block", "decoder pass"),
@@ -82,9 +82,7 @@ def profile(generator, objects, parts, samples, model, synchronize):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--path", required=True)
-    ap.add_argument("--subset", default="test")
+    add_data_args(ap)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--max-sentences", type=int, default=128)

@@ -27,7 +27,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare import batches, decode, load  # noqa: E402
+from compare import add_data_args, batches, decode, load  # noqa: E402
 
 RULES = {"plain": {}, "top-10": {"sampling_topk": 10}, "top-p 0.9": {"sampling_topp": 0.9}}
 
@@ -89,9 +89,7 @@ def markdown(results, timing):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--path", required=True)
-    ap.add_argument("--subset", default="test")
+    add_data_args(ap)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     ap.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))

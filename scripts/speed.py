@@ -17,7 +17,7 @@ import sys
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import add_device_args, compare, prepare  # noqa: E402
+from compare import add_data_args, add_device_args, compare, prepare  # noqa: E402
 
 COLUMNS = ("block size", "confidence", "greedy s", "blockwise s", "speedup", "mean accepted block",
            "invocations (greedy / blockwise)", "identical", "BLEU greedy / blockwise")
@@ -41,9 +41,7 @@ def table(results):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--path", required=True)
-    ap.add_argument("--subset", default="test")
+    add_data_args(ap)
     ap.add_argument("--block-sizes", type=int, nargs="+", required=True)
     ap.add_argument("--confidences", type=float, nargs="+", default=[0.0])
     ap.add_argument("--proposal-vocab", type=int, default=0, help="as --blockwise-proposal-vocab")

@@ -18,7 +18,7 @@ import sys
 from fairseq.sequence_generator import SequenceGenerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import add_device_args, batches, decode, describe, prepare  # noqa: E402
+from compare import add_data_args, add_device_args, batches, decode, describe, prepare  # noqa: E402
 
 COLUMNS = ("batch", "decoder", "seconds", "speedup", "invocations", "mean accepted block",
            "widths chosen", "identical")
@@ -72,9 +72,7 @@ def markdown(r):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--path", required=True)
-    ap.add_argument("--subset", default="test")
+    add_data_args(ap)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[2, 4, 8],
                     help="fixed widths to time; adaptive chooses up to the largest")

@@ -24,7 +24,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from compare import batches, decode, load  # noqa: E402
+from compare import add_data_args, batches, decode, load  # noqa: E402
 from speed import markdown  # noqa: E402
 
 from fairseq_bpd.generator import BlockwiseGenerator, BlockwiseStats  # noqa: E402
@@ -93,9 +93,7 @@ def timed(generators, greedy, model, samples, repeats):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--path", required=True)
-    ap.add_argument("--subset", default="test")
+    add_data_args(ap)
     ap.add_argument("--sizes", type=int, nargs="+", default=[0, 4, 8, 16, 32, 64], help="0: the chain")
     ap.add_argument("--rates", help="scripts/tree_rates.py's file, or 'default' for the built-in "
                     "table (default: measure on --rates-subset)")

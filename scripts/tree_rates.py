@@ -20,7 +20,7 @@ from fairseq.data import data_utils
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from compare import batches, load  # noqa: E402
+from compare import add_data_args, batches, load  # noqa: E402
 
 from fairseq_bpd.generator import BlockwiseGenerator  # noqa: E402
 from fairseq_bpd.tree import MAX_RANK  # noqa: E402
@@ -60,9 +60,7 @@ def count_hits(model, net_input, outputs, proposal_vocab=0, ranks=MAX_RANK):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--path", required=True)
-    ap.add_argument("--subset", default="valid")
+    add_data_args(ap, subset="valid")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-sentences", type=int, default=500)
     ap.add_argument("--proposal-vocab", type=int, default=0, help="as --blockwise-proposal-vocab (0: the checkpoint's)")

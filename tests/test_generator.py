@@ -248,6 +248,16 @@ def test_block_size_one_is_plain_greedy(data_dir):
     assert generator.stats.mean_accepted_block() == 1.0
 
 
+def assert_features_of_a_full_prefix_pass(model, encoder_out, prefixes, block, features):
+    """Each sentence's block features (b x n x C) equal one pass over its prefix (a token
+    list) and its block (b x n), without a cache."""
+    for i, prefix in enumerate(prefixes):
+        full_input = torch.tensor(prefix + block[i].tolist())[None]
+        one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
+        full, _ = model.decoder.extract_features(full_input, one)
+        assert torch.allclose(features[i], full[0, -block.size(1):], atol=1e-6)
+
+
 def test_cached_blocks_match_a_full_prefix_pass(data_dir):
     """Feeding blocks and rolling back a different suffix per sentence equals recomputing."""
     task, model, _ = build(data_dir, "--block-size", "4", seed=9)
@@ -264,11 +274,7 @@ def test_cached_blocks_match_a_full_prefix_pass(data_dir):
             block[:, 0] = eos
         positions = cached[:, None] + torch.arange(4)
         features, _ = decoder.forward_block(block, positions, encoder_out, state)
-        for i in range(3):
-            full_input = torch.tensor(prefixes[i] + block[i].tolist())[None]
-            one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
-            full, _ = decoder.extract_features(full_input, one)
-            assert torch.allclose(features[i], full[0, -4:], atol=1e-6)
+        assert_features_of_a_full_prefix_pass(model, encoder_out, prefixes, block, features)
         kept = torch.tensor(kept)
         for i in range(3):
             prefixes[i] += block[i, : kept[i]].tolist()
@@ -294,16 +300,12 @@ def test_masked_holes_and_compaction_match_a_full_prefix_pass(data_dir):
         if round_ == 0:
             block[:, 0] = eos
         features, _ = decoder.forward_block(block, cached[:, None] + torch.arange(4), encoder_out, state)
-        for i, row in enumerate(rows):
-            full_input = torch.tensor(prefixes[row] + block[i].tolist())[None]
-            one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
-            full, _ = decoder.extract_features(full_input, one)
-            assert torch.allclose(features[i], full[0, -4:], atol=1e-6)
+        assert_features_of_a_full_prefix_pass(model, encoder_out, [prefixes[row] for row in rows], block, features)
         kept = torch.randint(1, 3, (b,), generator=generator)
         kept[round_ % b] = 4  # one keeps all: the others' rejected entries stay as holes, then pile up
         for i, row in enumerate(rows):
             prefixes[row] += block[i, : kept[i]].tolist()
-        width = decoder.layers[0].self_attn._get_input_buffer(state)["prev_key"].size(2)
+        width = decoder.cache_width(state)
         cached = decoder.crop_cache(state, cached, 4, torch.arange(4).expand(b, -1), kept)
         assert cached.tolist() == [len(prefixes[row]) for row in rows]
         buffer = decoder.layers[0].self_attn._get_input_buffer(state)
@@ -319,7 +321,6 @@ def test_masked_holes_and_compaction_match_a_full_prefix_pass(data_dir):
             encoder_out = model.encoder.reorder_encoder_out(encoder_out, active)
             cached, rows = cached[active], [rows[i] for i in active.tolist()]
     assert saw_holes and compactions > 0
-
 
 
 @pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"], ["--share-decoder-input-output-embed"]])
