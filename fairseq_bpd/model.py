@@ -23,6 +23,7 @@ from fairseq.models.transformer import (
     transformer_wmt_en_de_big,
 )
 
+from .block_layer import block_layer, understands
 from .errors import BlockwiseRequestError
 from .hub import BlockwiseHubInterface
 from .heads import HEAD_TYPES, shortlist_problem
@@ -146,10 +147,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
         return self._transposed
 
     def train(self, mode=True):
-        """Drop what decoding keeps of the weights (transposed_projection, position_table):
-        fairseq's optimizers update p.data in place, which moves no version counter, and
-        fairseq's Trainer switches modes around every step and validation."""
-        self._transposed_key = self._position_key = None
+        """Drop what decoding keeps of the weights (transposed_projection, position_table) and
+        of the layers (lean_layers): fairseq's optimizers update p.data in place, which moves
+        no version counter, and fairseq's Trainer switches modes around every step and validation."""
+        self._transposed_key = self._position_key = self._lean_layers = None
         return super().train(mode)
 
     def forward(
@@ -219,8 +220,13 @@ class BlockwiseDecoder(TransformerDecoderBase):
             encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
         )
         attn = None
-        for idx, layer in enumerate(self.layers):
+        for idx, (layer, lean) in enumerate(zip(self.layers, self.lean_layers())):
             alignment = idx == self.num_layers - 1
+            if lean:  # the same function in fewer operations (block_layer.py)
+                x, layer_attn = block_layer(layer, x, enc, padding_mask, incremental_state, full_mask, alignment)
+                if alignment:
+                    attn = layer_attn
+                continue
             x, layer_attn, _ = layer(
                 x,
                 enc,
@@ -238,6 +244,13 @@ class BlockwiseDecoder(TransformerDecoderBase):
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
         return x, attn
+
+    def lean_layers(self):
+        """Which layers block_layer runs: a list of bools, decided again after train() or eval()
+        (which is when a layer's dropout or modules change for decoding)."""
+        if getattr(self, "_lean_layers", None) is None:
+            self._lean_layers = [understands(layer) for layer in self.layers]
+        return self._lean_layers
 
     def cache_width(self, incremental_state):
         """Columns of the self-attention cache (its longest prefix plus padding): an int."""
@@ -293,7 +306,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
             prefix = prefix[:, :width]
         from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
         index = torch.where(columns < cached[:, None], prefix, old_width + keep.gather(1, from_block))
-        self.rewrite_cache(incremental_state, width, index, padding=columns >= lengths[:, None])
+        padding = columns >= lengths[:, None]  # b x W'
+        # No mask where no sentence is shorter (batch 1 always): attention then skips it.
+        self.rewrite_cache(incremental_state, width, index, padding=padding if bool(padding.any()) else None)
 
     def rewrite_cache(self, incremental_state, width, index=None, padding=None):
         """Every layer's self-attention cache becomes its first `width` columns, or, given

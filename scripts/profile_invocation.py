@@ -9,7 +9,10 @@ and the invocation's cost relative to the greedy step. Decodes on the GPU when t
 sees one (--cpu: the CPU); a GPU is synchronised around every timed part.
 
   .venv/bin/python scripts/profile_invocation.py --data DATA --path CKPT \
-      [--batch-size 32] [--widths 1 2 4 8] [--max-sentences 128]
+      [--batch-size 32] [--widths 1 2 4 8] [--max-sentences 128] [--trees 4 8 --rates RATES]
+
+--trees adds --blockwise-tree blocks of those sizes at the checkpoint's full width, their
+tree built from --rates (scripts/tree_rates.py's file; default: the built-in table).
 """
 import argparse
 import collections
@@ -86,11 +89,14 @@ def main():
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--max-sentences", type=int, default=128)
+    ap.add_argument("--trees", type=int, nargs="*", default=[], help="--blockwise-tree sizes to add")
+    ap.add_argument("--rates", help="scripts/tree_rates.py's file for --trees (default: the built-in table)")
     add_device_args(ap)
     args = ap.parse_args()
     model, task, _, samples, _, _ = prepare(args)
     from fairseq_bpd import generator as blockwise_module
     from fairseq_bpd.generator import BlockwiseGenerator
+    from fairseq_bpd.tree import load_rates
 
     device = next(model.parameters()).device
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -98,10 +104,14 @@ def main():
     greedy = SequenceGenerator([model], tgt_dict, beam_size=1)
     rows = {"greedy": profile(greedy, {"ensemble": greedy.model, "generator": greedy}, GREEDY_PARTS,
                               samples, model, synchronize)}
-    for width in args.widths:
-        generator = BlockwiseGenerator(model, tgt_dict, block_size=width)
+    rates = load_rates(args.rates) if args.rates else None
+    blockwise = {f"width {width}": dict(block_size=width) for width in args.widths}
+    blockwise.update({f"tree {size}": dict(block_size=model.decoder.block_size, tree=size, tree_rates=rates)
+                      for size in args.trees})
+    for name, options in blockwise.items():
+        generator = BlockwiseGenerator(model, tgt_dict, **options)
         objects = {"decoder": model.decoder, "generator": generator, "batch": blockwise_module.Batch}
-        rows[f"width {width}"] = profile(generator, objects, BLOCKWISE_PARTS, samples, model, synchronize)
+        rows[name] = profile(generator, objects, BLOCKWISE_PARTS, samples, model, synchronize)
     step = rows["greedy"][0]["total"]
     print(f"{len(samples)} batches of {args.batch_size}, {describe(device)}: ms per loop iteration "
           f"(a greedy step; a blockwise invocation)\n")

@@ -1,0 +1,150 @@
+"""One decoder layer over a block, in fewer tensor operations than fairseq's incremental path.
+
+A decoder invocation runs each layer once on a handful of rows, so its cost is mostly
+per-operation overhead, not arithmetic: fairseq's MultiheadAttention spends it on shape
+checks, time-first/batch-first reshapes, a float copy of the key padding mask, and
+head-averaged attention weights for every layer. block_layer computes the same function
+for the layers it understands (the standard pre- or post-norm Transformer decoder layer
+in inference, see `understands`) with torch's fused attention, reading the layer's own
+weights and keeping fairseq's cache format: prev_key / prev_value b x h x T x d and
+prev_key_padding_mask b x T, so crop_cache, reorder_incremental_state and fairseq's own
+step read the cache as before. Any other layer runs as fairseq's. It rounds differently
+from fairseq's step, as any block pass does, which is why exactness is tested in float64.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from fairseq.modules import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayer, TransformerDecoderLayerBase
+
+
+def understands(layer):
+    """Whether block_layer reproduces this fairseq decoder layer: a bool.
+
+    No extras (head scaling, attention or FFN layer norms, residual scaling,
+    cross-self-attention), plain linear projections (no quantization noise or hooks),
+    fairseq's own attention without bias_kv or zero attention, and no dropout at work.
+    """
+    if type(layer) not in (TransformerDecoderLayerBase, TransformerDecoderLayer) or layer.training:
+        return False
+    if layer.cross_self_attention or any(
+        getattr(layer, name, None) is not None for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid")
+    ):
+        return False
+    linears = [layer.fc1, layer.fc2]
+    for attention in (layer.self_attn, layer.encoder_attn):
+        if attention is None:
+            continue
+        if type(attention) is not MultiheadAttention or attention.bias_k is not None or attention.add_zero_attn:
+            return False
+        if getattr(attention, "use_xformers", False) or not attention.qkv_same_dim:
+            return False
+        linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.out_proj]
+    dropouts = [m for m in layer.modules() if hasattr(m, "apply_during_inference")]
+    return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in linears) and not any(
+        m.apply_during_inference for m in dropouts
+    )
+
+
+def block_layer(layer, x, encoder_out, encoder_padding_mask, incremental_state, self_attn_mask, need_attn):
+    """The layer over a block: x n x b x C (time first, as fairseq) -> n x b x C, attention.
+
+    self_attn_mask: n x W+n additive (W cached entries, then the block), or None (a block
+    of one sees everything). encoder_out: S x b x C; encoder_padding_mask: b x S or None.
+    The attention returned (need_attn) is the encoder attention averaged over heads,
+    b x n x S, else None.
+    """
+    pre = layer.normalize_before
+    residual = x
+    y = layer.self_attn_layer_norm(x) if pre else x
+    x = residual + self_attention(layer.self_attn, y, incremental_state, self_attn_mask)
+    if not pre:
+        x = layer.self_attn_layer_norm(x)
+    attn = None
+    if layer.encoder_attn is not None and encoder_out is not None:
+        residual = x
+        y = layer.encoder_attn_layer_norm(x) if pre else x
+        y, attn = encoder_attention(layer.encoder_attn, y, encoder_out, encoder_padding_mask, incremental_state,
+                                    need_attn)
+        x = residual + y
+        if not pre:
+            x = layer.encoder_attn_layer_norm(x)
+    residual = x
+    y = layer.final_layer_norm(x) if pre else x
+    x = residual + layer.fc2(layer.activation_fn(layer.fc1(y)))
+    if not pre:
+        x = layer.final_layer_norm(x)
+    return x, attn
+
+
+def heads_first(x, heads):
+    """n x b x C -> b x h x n x d."""
+    n, b, _ = x.shape
+    return x.view(n, b, heads, -1).permute(1, 2, 0, 3)
+
+
+def time_first(x):
+    """b x h x n x d -> n x b x C."""
+    b, h, n, d = x.shape
+    return x.permute(2, 0, 1, 3).reshape(n, b, h * d)
+
+
+def self_attention(attention, x, incremental_state, mask):
+    """Self-attention of a block after the cached prefix, the cache extended by it: n x b x C."""
+    h = attention.num_heads
+    buffer = attention._get_input_buffer(incremental_state)
+    q = heads_first(attention.q_proj(x) * attention.scaling, h)
+    k = heads_first(attention.k_proj(x), h)
+    v = heads_first(attention.v_proj(x), h)
+    holes = None
+    if "prev_key" in buffer:
+        k = torch.cat([buffer["prev_key"], k], dim=2)
+        v = torch.cat([buffer["prev_value"], v], dim=2)
+        holes = buffer.get("prev_key_padding_mask")
+        if holes is not None:  # the block's own entries are no holes
+            holes = torch.cat([holes.bool(), holes.new_zeros(holes.size(0), x.size(0), dtype=torch.bool)], dim=1)
+    buffer["prev_key"], buffer["prev_value"], buffer["prev_key_padding_mask"] = k, v, holes
+    attention._set_input_buffer(incremental_state, buffer)
+    if holes is not None:  # b x 1 x n x W+n, -inf at holes
+        base = mask if mask is not None else x.new_zeros(x.size(0), k.size(2))
+        mask = base.masked_fill(holes[:, None, None, :], -math.inf)
+    return attention.out_proj(time_first(attend(q, k, v, mask)[0]))
+
+
+def encoder_attention(attention, x, encoder_out, padding_mask, incremental_state, need_attn):
+    """Attention of a block to the source, its keys and values cached on the first call:
+    n x b x C, and the attention b x n x S averaged over heads (need_attn) or None."""
+    h = attention.num_heads
+    buffer = attention._get_input_buffer(incremental_state)
+    if "prev_key" not in buffer:  # fairseq's static_kv cache, as its own step fills it
+        buffer["prev_key"] = heads_first(attention.k_proj(encoder_out), h)
+        buffer["prev_value"] = heads_first(attention.v_proj(encoder_out), h)
+        buffer["prev_key_padding_mask"] = padding_mask
+        attention._set_input_buffer(incremental_state, buffer)
+    k, v = buffer["prev_key"], buffer["prev_value"]
+    q = heads_first(attention.q_proj(x) * attention.scaling, h)
+    mask = None
+    if padding_mask is not None:  # b x 1 x 1 x S, -inf at padding
+        mask = q.new_zeros(padding_mask.shape).masked_fill_(padding_mask.bool(), -math.inf)[:, None, None, :]
+    out, weights = attend(q, k, v, mask, need_attn)
+    return attention.out_proj(time_first(out)), weights.mean(dim=1) if need_attn else None
+
+
+def attend(q, k, v, mask, need_weights=False):
+    """Scaled dot-product attention, q already scaled: q b x h x n x d, k, v b x h x T x d,
+    mask additive, broadcast to b x h x n x T, or None. Returns b x h x n x d and, if
+    need_weights, the weights b x h x n x T.
+
+    torch's fused kernel where it can (float32, no weights wanted); else fairseq's own
+    order of operations, its softmax in float32 whatever the dtype (fairseq.utils.softmax),
+    so that a float64 model rounds where fairseq's does.
+    """
+    if q.dtype == torch.float32 and not need_weights:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0), None
+    scores = q @ k.transpose(2, 3)
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q)
+    return weights @ v, weights
