@@ -133,3 +133,43 @@ def test_layers_it_does_not_reproduce_run_as_fairseqs(model):
     handle.remove()
     layer.train()
     assert not understands(layer)
+
+
+@pytest.mark.parametrize("where", ["layer", "self_attn", "encoder_attn", "pre-hook on layer"])
+def test_a_hook_on_a_module_block_layer_bypasses_runs_as_fairseqs(model, where):
+    """block_layer calls the layer's linears and layer norms but not the layer itself nor its
+    attention modules: a hook on those (one that reads attention, or one that changes the
+    output) must still run, so such a layer runs as fairseq's."""
+    decoder = model.decoder
+    sample = random_sample(model.task_for_test, 2, seed=9)
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    tokens = torch.tensor([[2, 5, 6, 7], [2, 8, 9, 10]])
+    positions = torch.arange(4).expand(2, -1)
+    layer = decoder.layers[0]
+    module = layer if where.endswith("layer") else getattr(layer, where)
+    calls = []
+
+    def halve(module, args, output):  # changes the output, as a pruning or steering hook may
+        calls.append(1)
+        return (output[0] / 2, *output[1:])
+
+    def halve_input(module, args):
+        calls.append(1)
+        return (args[0] / 2, *args[1:])
+
+    if where.startswith("pre-hook"):
+        handle = module.register_forward_pre_hook(halve_input)
+    else:
+        handle = module.register_forward_hook(halve)
+    try:
+        assert not understands(layer)
+        decoder.lean_layers()
+        decoder._lean_layers = [False] * len(decoder.layers)  # fairseq's own layers
+        want = decoder.forward_block(tokens, positions, encoder_out, {})[0]
+        model.eval()  # the verdicts decided again
+        calls.clear()
+        got = decoder.forward_block(tokens, positions, encoder_out, {})[0]
+        assert calls
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
+    finally:
+        handle.remove()
