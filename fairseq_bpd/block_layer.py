@@ -24,8 +24,10 @@ def understands(layer):
     """Whether block_layer reproduces this fairseq decoder layer: a bool.
 
     No extras (head scaling, attention or FFN layer norms, residual scaling,
-    cross-self-attention), plain linear projections (no quantization noise or hooks),
-    fairseq's own attention without bias_kv or zero attention, and no dropout at work.
+    cross-self-attention), plain linear projections (no quantization noise), no forward
+    hooks on any of its modules, fairseq's own attention without bias_kv or zero
+    attention, and no dropout at work. Decided once per train()/eval() (lean_layers): a
+    hook registered later counts after the next eval().
     """
     if type(layer) not in (TransformerDecoderLayerBase, TransformerDecoderLayer) or layer.training:
         return False
@@ -42,10 +44,14 @@ def understands(layer):
         if getattr(attention, "use_xformers", False) or not attention.qkv_same_dim:
             return False
         linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.out_proj]
-    dropouts = [m for m in layer.modules() if hasattr(m, "apply_during_inference")]
-    return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in linears) and not any(
-        m.apply_during_inference for m in dropouts
-    )
+    if not all(type(m) is nn.Linear for m in linears):
+        return False
+    # No hooks anywhere in the layer: block_layer calls its linears and layer norms, but not
+    # the layer, its attention or dropout modules, whose hooks would silently not run.
+    modules = list(layer.modules())
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return False
+    return not any(getattr(m, "apply_during_inference", False) for m in modules)
 
 
 def block_layer(layer, x, encoder_out, encoder_padding_mask, incremental_state, self_attn_mask, need_attn):
