@@ -173,3 +173,36 @@ def test_a_hook_on_a_module_block_layer_bypasses_runs_as_fairseqs(model, where):
         torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
     finally:
         handle.remove()
+
+
+def test_a_hook_registered_after_a_decode_runs(model):
+    """The verdicts are kept across invocations; a hook registered after the first (as one
+    that reads attention, on a hub whose model.eval() no longer reaches the decoder after
+    fairseq's make_generation_fast_) still runs, and the outputs are fairseq's."""
+    decoder = model.decoder
+    sample = random_sample(model.task_for_test, 2, seed=9)
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    tokens = torch.tensor([[2, 5, 6, 7], [2, 8, 9, 10]])
+    positions = torch.arange(4).expand(2, -1)
+    model.make_generation_fast_()
+    decoder.forward_block(tokens, positions, encoder_out, {})
+    assert decoder.lean_layers() == [True] * len(decoder.layers)
+    calls = []
+
+    def halve(module, args, output):
+        calls.append(1)
+        return (output[0] / 2, *output[1:])
+
+    layer = decoder.layers[-1]
+    handle = layer.encoder_attn.register_forward_hook(halve)
+    try:
+        model.eval()  # what a user would try: after make_generation_fast_ it reaches no module
+        got = decoder.forward_block(tokens, positions, encoder_out, {})[0]
+        assert calls
+        calls.clear()
+        decoder._lean_layers = [False] * len(decoder.layers)  # fairseq's own layers
+        want = decoder.forward_block(tokens, positions, encoder_out, {})[0]
+        assert calls
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
+    finally:
+        handle.remove()
