@@ -26,8 +26,8 @@ def understands(layer):
     No extras (head scaling, attention or FFN layer norms, residual scaling,
     cross-self-attention), plain linear projections (no quantization noise), no forward
     hooks on any of its modules, fairseq's own attention without bias_kv or zero
-    attention, and no dropout at work. Decided once per train()/eval() (lean_layers): a
-    hook registered later counts after the next eval().
+    attention, and no dropout at work. lean_layers decides it again after train()/eval()
+    and after any hook is registered.
     """
     if type(layer) not in (TransformerDecoderLayerBase, TransformerDecoderLayer) or layer.training:
         return False

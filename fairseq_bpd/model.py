@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from fairseq import hub_utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
@@ -247,9 +248,12 @@ class BlockwiseDecoder(TransformerDecoderBase):
 
     def lean_layers(self):
         """Which layers block_layer runs: a list of bools, decided again after train() or eval()
-        (which is when a layer's dropout or modules change for decoding)."""
-        if getattr(self, "_lean_layers", None) is None:
-            self._lean_layers = [understands(layer) for layer in self.layers]
+        (which is when a layer's dropout or modules change for decoding) and after any hook
+        is registered anywhere (torch numbers every hook handle: one integer to compare),
+        since block_layer does not call the modules a hook may sit on."""
+        hooks = RemovableHandle.next_id
+        if getattr(self, "_lean_layers", None) is None or getattr(self, "_lean_hooks", None) != hooks:
+            self._lean_layers, self._lean_hooks = [understands(layer) for layer in self.layers], hooks
         return self._lean_layers
 
     def cache_width(self, incremental_state):
