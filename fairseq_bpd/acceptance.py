@@ -35,9 +35,10 @@ def running_scores(score, proposal_lprobs, tree):
     running = proposal_lprobs.new_empty(score.size(0), proposal_lprobs.size(1) + 1,
                                         dtype=torch.promote_types(score.dtype, proposal_lprobs.dtype))
     running[:, 0] = score
-    if tree.is_chain:  # node j follows node j-1: plain slices, the same sums
+    if tree.is_chain:  # node j follows node j-1: the same sums, one add each into a column view
+        columns, lprobs = running.unbind(1), proposal_lprobs.unbind(1)
         for j in range(1, running.size(1)):
-            running[:, j] = running[:, j - 1] + proposal_lprobs[:, j - 1]
+            torch.add(columns[j - 1], lprobs[j - 1], out=columns[j])
         return running
     for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
         running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
@@ -54,18 +55,20 @@ def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, t
     included) fit in `limit` (b); the deepest wins, the first in node order on a tie
     (possible only under topk > 1 or min_block > 1).
     """
-    parents = tree.parents[1:]
-    ranked = (candidates[:, parents, :topk] == block[:, 1:, None]) & (values[:, parents, :topk] > -math.inf)
-    passes = ranked.any(dim=2)  # b x n-1
-    forced = tree.chain[1:] & (tree.depth[1:] < min_block)
-    passes = passes | (forced & (proposal_lprobs > -math.inf))
+    if tree.is_chain:  # each candidate's parent is the node before it: slices, no indexing
+        candidates, values = candidates[:, :-1, :topk], values[:, :-1, :topk]
+    else:
+        candidates, values = candidates[:, tree.parents[1:], :topk], values[:, tree.parents[1:], :topk]
+    passes = ((candidates == block[:, 1:, None]) & (values > -math.inf)).any(dim=2)  # b x n-1
+    if min_block > 1:
+        forced = tree.chain[1:] & (tree.depth[1:] < min_block)
+        passes = passes | (forced & (proposal_lprobs > -math.inf))
     if tree.is_chain:  # node j is at depth j: the longest passing run, within the limit
         kept = torch.minimum(1 + passes.long().cumprod(dim=1).sum(dim=1), limit)
         return kept - 1, kept
-    reached = torch.ones_like(block, dtype=torch.bool)  # b x n: the path to the node passes
-    for nodes, parents in tree.levels:
-        reached[:, nodes] = reached[:, parents] & passes[:, nodes - 1]
-    reached &= tree.depth < limit[:, None]
+    # A node is reached when no node on its path (tree.ancestors) fails: b x n.
+    fails = torch.cat([passes.new_zeros(passes.size(0), 1), ~passes], dim=1)
+    reached = ~(fails[:, None, :] & tree.ancestors).any(dim=2) & (tree.depth < limit[:, None])
     n = block.size(1)
     order = tree.depth * n - torch.arange(n, device=block.device)  # deeper first, then earlier
     node = torch.where(reached, order, -n).argmax(dim=1)

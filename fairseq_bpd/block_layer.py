@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_hooks
 from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayer, TransformerDecoderLayerBase
 
@@ -44,8 +45,13 @@ def understands(layer):
         if getattr(attention, "use_xformers", False) or not attention.qkv_same_dim:
             return False
         linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.out_proj]
-    if not all(type(m) is nn.Linear for m in linears):
+    norms = [layer.self_attn_layer_norm, layer.final_layer_norm]
+    if layer.encoder_attn is not None:
+        norms.append(layer.encoder_attn_layer_norm)
+    if not all(type(m) is nn.Linear for m in linears) or not all(type(m) is nn.LayerNorm for m in norms):
         return False
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return False  # torch's hooks on every module: block_layer calls none
     # No hooks anywhere in the layer: block_layer calls its linears and layer norms, but not
     # the layer, its attention or dropout modules, whose hooks would silently not run.
     modules = list(layer.modules())
@@ -64,25 +70,35 @@ def block_layer(layer, x, encoder_out, encoder_padding_mask, incremental_state, 
     """
     pre = layer.normalize_before
     residual = x
-    y = layer.self_attn_layer_norm(x) if pre else x
+    y = norm(layer.self_attn_layer_norm, x) if pre else x
     x = residual + self_attention(layer.self_attn, y, incremental_state, self_attn_mask)
     if not pre:
-        x = layer.self_attn_layer_norm(x)
+        x = norm(layer.self_attn_layer_norm, x)
     attn = None
     if layer.encoder_attn is not None and encoder_out is not None:
         residual = x
-        y = layer.encoder_attn_layer_norm(x) if pre else x
+        y = norm(layer.encoder_attn_layer_norm, x) if pre else x
         y, attn = encoder_attention(layer.encoder_attn, y, encoder_out, encoder_padding_mask, incremental_state,
                                     need_attn)
         x = residual + y
         if not pre:
-            x = layer.encoder_attn_layer_norm(x)
+            x = norm(layer.encoder_attn_layer_norm, x)
     residual = x
-    y = layer.final_layer_norm(x) if pre else x
-    x = residual + layer.fc2(layer.activation_fn(layer.fc1(y)))
+    y = norm(layer.final_layer_norm, x) if pre else x
+    x = residual + linear(layer.fc2, layer.activation_fn(linear(layer.fc1, y)))
     if not pre:
-        x = layer.final_layer_norm(x)
+        x = norm(layer.final_layer_norm, x)
     return x, attn
+
+
+# The modules' own functions, called directly: understands() made sure no hook is there
+# to run, and nn.Module's call machinery costs microseconds a call, some 40 an invocation.
+def linear(module, x):
+    return F.linear(x, module.weight, module.bias)
+
+
+def norm(module, x):
+    return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
 
 
 def heads_first(x, heads):
@@ -101,9 +117,9 @@ def self_attention(attention, x, incremental_state, mask):
     """Self-attention of a block after the cached prefix, the cache extended by it: n x b x C."""
     h = attention.num_heads
     buffer = attention._get_input_buffer(incremental_state)
-    q = heads_first(attention.q_proj(x) * attention.scaling, h)
-    k = heads_first(attention.k_proj(x), h)
-    v = heads_first(attention.v_proj(x), h)
+    q = heads_first(linear(attention.q_proj, x) * attention.scaling, h)
+    k = heads_first(linear(attention.k_proj, x), h)
+    v = heads_first(linear(attention.v_proj, x), h)
     holes = None
     if "prev_key" in buffer:
         k = torch.cat([buffer["prev_key"], k], dim=2)
@@ -116,7 +132,7 @@ def self_attention(attention, x, incremental_state, mask):
     if holes is not None:  # b x 1 x n x W+n, -inf at holes
         base = mask if mask is not None else x.new_zeros(x.size(0), k.size(2))
         mask = base.masked_fill(holes[:, None, None, :], -math.inf)
-    return attention.out_proj(time_first(attend(q, k, v, mask)[0]))
+    return linear(attention.out_proj, time_first(attend(q, k, v, mask)[0]))
 
 
 def encoder_attention(attention, x, encoder_out, padding_mask, incremental_state, need_attn):
@@ -125,17 +141,17 @@ def encoder_attention(attention, x, encoder_out, padding_mask, incremental_state
     h = attention.num_heads
     buffer = attention._get_input_buffer(incremental_state)
     if "prev_key" not in buffer:  # fairseq's static_kv cache, as its own step fills it
-        buffer["prev_key"] = heads_first(attention.k_proj(encoder_out), h)
-        buffer["prev_value"] = heads_first(attention.v_proj(encoder_out), h)
+        buffer["prev_key"] = heads_first(linear(attention.k_proj, encoder_out), h)
+        buffer["prev_value"] = heads_first(linear(attention.v_proj, encoder_out), h)
         buffer["prev_key_padding_mask"] = padding_mask
         attention._set_input_buffer(incremental_state, buffer)
     k, v = buffer["prev_key"], buffer["prev_value"]
-    q = heads_first(attention.q_proj(x) * attention.scaling, h)
+    q = heads_first(linear(attention.q_proj, x) * attention.scaling, h)
     mask = None
     if padding_mask is not None:  # b x 1 x 1 x S, -inf at padding
         mask = q.new_zeros(padding_mask.shape).masked_fill_(padding_mask.bool(), -math.inf)[:, None, None, :]
     out, weights = attend(q, k, v, mask, need_attn)
-    return attention.out_proj(time_first(out)), weights.mean(dim=1) if need_attn else None
+    return linear(attention.out_proj, time_first(out)), weights.mean(dim=1) if need_attn else None
 
 
 def attend(q, k, v, mask, need_weights=False):

@@ -191,7 +191,10 @@ class BlockwiseGenerator(nn.Module):
         while True:
             # 1. One decoder pass over the block: the last committed token, then the candidates.
             tree = layout.upto(proposals.size(1))
-            nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]  # b x n-1: head depth+1, its rank
+            if tree.is_chain:  # b x n-1: head depth+1, its rank (a chain's: each head's best)
+                nodes = proposals[:, :, 0]
+            else:
+                nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]
             block = torch.cat([batch.tokens.gather(1, batch.length[:, None]), nodes], dim=1)  # b x n
             n = block.size(1)
             steps = batch.length[:, None] + tree.depth  # b x n: the step each output predicts
@@ -212,8 +215,9 @@ class BlockwiseGenerator(nn.Module):
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
-            batch.store(outputs, output_scores, added, None if block_attn is None else along(path, block_attn)[0],
-                        self.pad)
+            if block_attn is not None and not tree.is_chain:  # a chain's path is the block itself
+                block_attn = along(path, block_attn)[0]
+            batch.store(outputs, output_scores, added, block_attn, self.pad)
 
             # 5. Crop all but the accepted path out of the cache.
             batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
@@ -306,7 +310,8 @@ class BlockwiseGenerator(nn.Module):
         if not bool(torch.isfinite(lprobs.sum())):
             torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         lprobs[..., self.pad] = -math.inf
-        lprobs[..., self.unk] -= self.unk_penalty
+        if self.unk_penalty:
+            lprobs[..., self.unk] -= self.unk_penalty
         at_max_len = steps >= max_len
         if at_max_len.any():  # skipped when it cannot bite: this runs once per invocation
             not_eos = torch.arange(lprobs.size(2), device=lprobs.device) != self.eos
