@@ -75,6 +75,11 @@ class InvocationCost:
 
     CORRECTION = (0.8, 1.25)  # a timing moves its width's ratio by at most this factor...
     CORRECTION_FADE = 0.95  # ...and by 5% of it: one preempted invocation hardly shows
+    # Where a width was timed at this very batch size within the last MEASURED_FOR timings,
+    # the median of its last MEASURED_LAST timings there stands instead of the fit: the
+    # line misjudges mid batch sizes (batch 8 on the 2-core CPU: width 2 predicted 1.37x
+    # width 1's cost, timed 1.6x, so adaptive chose it at 1.31x greedy where width 1 ran 1.48x).
+    MEASURED_LAST, MEASURED_FOR = 5, 256
 
     def __init__(self, forgetting=0.98, ridge=1e-9):
         self.forgetting, self.ridge = forgetting, ridge
@@ -84,6 +89,8 @@ class InvocationCost:
         self.ratio = {}  # width -> timings / fit
         self.pending = []  # (width, batch size, seconds) timed since the last fit
         self.features = {}  # (widths, batch size) -> cost_features rows
+        self.timings = 0  # taken in so far
+        self.measured = {}  # (batch size, width) -> (its last MEASURED_LAST timings, when the last came)
 
     def update(self, width, batch_size, seconds):
         """One invocation of `width` over `batch_size` sentences took `seconds`.
@@ -95,6 +102,10 @@ class InvocationCost:
         each small numpy call costs tens of microseconds (caches the model evicts).
         """
         self.pending.append((width, batch_size, seconds))
+        self.timings += 1
+        # The median of the last few needs no cap: one preempted timing is not the median.
+        last = self.measured.get((batch_size, width), ((), 0))[0][1 - self.MEASURED_LAST:]
+        self.measured[batch_size, width] = ((*last, seconds), self.timings)
         if len(self.pending) >= 16:
             self.refit()
 
@@ -135,14 +146,23 @@ class InvocationCost:
     def predict(self, widths, batch_size):
         """Seconds of an invocation of each width 1..k at this batch size: k -> k.
 
-        A narrower block does a part of a wider one's work, so no width is predicted to
-        cost more than a wider one: a fit from other batch sizes cannot keep the lean
-        path from being tried where wide blocks were timed cheaper.
+        A width recently timed at this batch size costs the median of its timings there;
+        the others cost the fit. A narrower block does a part of a wider one's work, so
+        no fitted width costs more than a wider one: a fit from other batch sizes cannot
+        keep the lean path from being tried where wide blocks were timed cheaper.
         """
-        coefficients = self.coefficients
+        # The fit as it stands (update refits every 16 timings), unless there is none yet:
+        # solving it at every choice cost more than the choice gained at batch 8 and up,
+        # where the batch size changes, and a choice is made, every few blocks.
+        coefficients = self._coefficients if self._coefficients.any() else self.coefficients
         correction = np.array([self.ratio.get(int(w), 1.0) for w in widths])
         costs = self.rows(widths, batch_size) @ coefficients * correction
-        return np.minimum.accumulate(costs[::-1])[::-1]
+        measured = np.zeros(len(costs), dtype=bool)
+        for i, width in enumerate(widths.tolist()):
+            last, when = self.measured.get((batch_size, width), ((), 0))
+            if last and self.timings - when < self.MEASURED_FOR:
+                costs[i], measured[i] = sorted(last)[len(last) // 2], True  # a median, without numpy's overhead
+        return np.where(measured, costs, np.minimum.accumulate(costs[::-1])[::-1])
 
 
 class AcceptanceRates:
@@ -169,11 +189,17 @@ class AcceptanceRates:
             self.past[min(k - 1, width - 1)] += 1
 
     def rates(self):
+        """Each proposal's pass rate: k-1. The starting pass of proposal j > 1 counts as the
+        rate of proposal j-1, not as 1: deep proposals are rarely reached, and an optimistic
+        start there made wide blocks look worth more than they are (rates fall with depth)."""
         for counts, total in ((self.reach, self.tried), (self.past, self.passed)):
             for n, sentences in counts.items():
                 total[:n] += sentences
             counts.clear()
-        return self.passed / self.tried
+        rates, start = (self.passed - 1) / self.tried, 1.0
+        for j, rate in enumerate(rates.tolist()):
+            rates[j] = start = rate + start / self.tried[j]
+        return rates
 
 
 # The width is chosen again every DECIDE_EVERY blocks, or when the batch size changes;
@@ -253,5 +279,7 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
         if self.explore_every and self.blocks % self.explore_every == 0:
             width = neighbour(width, self.block_size, self.blocks // self.explore_every)
         self.stats.widths[width] += 1
-        self.timing = (width, batch_size, now)
+        # The block's time starts after the choice: choosing (every few blocks, and at the
+        # blocks that explore) is no cost of the width chosen.
+        self.timing = (width, batch_size, self.clock())
         return width

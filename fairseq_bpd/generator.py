@@ -210,8 +210,8 @@ class BlockwiseGenerator(nn.Module):
                 lprobs, block, self.score(batch), limit, tree
             )
             path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
-            if n > 1:
-                self.accepted_block(n, kept, limit)
+            if n > 1:  # a finished sentence's proposals past its EOS were no tries: it ends there
+                self.accepted_block(n, added, torch.where(finished, added, limit))
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
@@ -343,7 +343,8 @@ class BlockwiseGenerator(nn.Module):
         return self.layout.max_depth + 1
 
     def accepted_block(self, width, kept, limit):
-        """Hook: a block of `width` kept `kept` (b) tokens where `limit` (b) were allowed."""
+        """Hook: a block of `width` kept `kept` (b) tokens where `limit` (b) were allowed
+        (a sentence that ended in it: its tokens up to the EOS, all allowed)."""
 
     def propose(self, features, sentence, tokens, length):
         """Heads 2..k at the last accepted position: features b x C -> tokens b x w x topn.

@@ -67,7 +67,10 @@ def test_acceptance_rates_count_each_proposal_given_its_predecessors():
     # Width 4 (3 proposals): kept 1 (proposal 1 failed), 3 (1, 2 passed, 3 failed), 4 (all passed),
     # and 2 with limit 2 (proposal 1 passed; proposal 2 could not have been kept).
     rates.update(4, np.array([1, 3, 4, 2]), np.array([4, 4, 4, 2]))
-    assert rates.rates().tolist() == [4 / 5, 3 / 3, 2 / 3, 1.0]  # reading the rates takes the counts in
+    # Reading the rates takes the counts in; proposal j's starting pass counts as j-1's rate.
+    second = (2 + 4 / 5) / 3
+    third = (1 + second) / 3
+    assert np.allclose(rates.rates(), [4 / 5, second, third, third])  # proposal 4: never tried
     assert rates.tried.tolist() == [1 + 4, 1 + 2, 1 + 2, 1]
     assert rates.passed.tolist() == [1 + 3, 1 + 2, 1 + 1, 1]
 
@@ -306,7 +309,11 @@ def test_counted_rates_follow_the_per_proposal_rule_on_random_blocks():
             tried[: width - 1] += ((kept[:, None] >= j) & (j < limit[:, None])).sum(0)
             passed[: width - 1] += (kept[:, None] > j).sum(0)
             rates.update(width, kept, limit)
-        assert np.allclose(rates.rates(), passed / tried)
+        start, expected = 1.0, []
+        for p, t in zip(passed, tried):  # the starting pass: the rate of the proposal before
+            start = (p - 1 + start) / t
+            expected.append(start)
+        assert np.allclose(rates.rates(), expected)
 
 
 def test_timings_taken_in_at_once_weigh_as_one_by_one():
