@@ -10,7 +10,10 @@ greedy step. The rates come from --rates, else are measured on --rates-subset
 (scripts/tree_rates.py) and written to OUT.rates.json.
 
   .venv/bin/python scripts/tree_bench.py --data DATA --path CKPT [--sizes 0 4 8 16 32 64] \
-      [--max-sentences 200] [--batch-sizes 32 1] [--timed] [--repeats 3] --out work/tree/fixture
+      [--max-sentences 200] [--batch-sizes 32 1] [--timed] [--repeats 3] [--chain-widths 3 4] --out work/tree/fixture
+
+--chain-widths adds chains narrower than the checkpoint's k (rows "width W"): trees spend
+their nodes where a narrower chain saves rows, so both are measured side by side.
 """
 import argparse
 import json
@@ -44,11 +47,15 @@ def header(columns):
     return markdown(columns) + "\n|" + "---|" * len(columns)
 
 
-def layouts(model, task, sizes, rates, proposal_vocab):
-    """A generator per tree size (0: the chain), by size."""
+def layouts(model, task, sizes, rates, proposal_vocab, chain_widths=()):
+    """A generator per tree size (0: the chain of k), by size, then per narrower chain, by "width W"."""
     k = model.decoder.block_size
-    return {size: BlockwiseGenerator(model, task.target_dictionary, block_size=k, tree=size, tree_rates=rates,
-                                     proposal_vocab=proposal_vocab) for size in sizes}
+    generators = {size: BlockwiseGenerator(model, task.target_dictionary, block_size=k, tree=size, tree_rates=rates,
+                                           proposal_vocab=proposal_vocab) for size in sizes}
+    for width in chain_widths:
+        generators[f"width {width}"] = BlockwiseGenerator(model, task.target_dictionary, block_size=width,
+                                                          proposal_vocab=proposal_vocab)
+    return generators
 
 
 def accepted(generators, greedy_out, model, samples, rates):
@@ -102,6 +109,7 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[32])
     ap.add_argument("--proposal-vocab", type=int, default=0, help="as --blockwise-proposal-vocab")
     ap.add_argument("--timed", action="store_true", help="also time greedy and every layout per batch size")
+    ap.add_argument("--chain-widths", type=int, nargs="*", default=[], help="chains of these widths besides k's")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", required=True, help="writes OUT.json (and OUT.rates.json when measuring)")
@@ -120,7 +128,7 @@ def main():
     greedy = SequenceGenerator([model], task.target_dictionary, beam_size=1)
     for batch_size in args.batch_sizes:
         samples = batches(task, args.subset, batch_size, args.max_sentences)
-        generators = layouts(model, task, args.sizes, rates, args.proposal_vocab)
+        generators = layouts(model, task, args.sizes, rates, args.proposal_vocab, args.chain_widths)
         if batch_size == args.batch_sizes[0]:
             greedy_out, _ = decode(greedy, model, samples)
             result["accepted"] = accepted(generators, greedy_out, model, samples, rates)
