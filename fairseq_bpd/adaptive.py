@@ -220,6 +220,12 @@ DECIDE_EVERY = 8
 # never reach it, and batch 8 sat at width 3 (1.11x greedy) where width 1 ran 1.28x.
 EXPLORE_EVERY = 8
 
+# While explorations find the choice as it was at the last one, each next one comes twice
+# as late, up to every EXPLORE_AT_MOST blocks; a changed choice brings them back to every
+# EXPLORE_EVERY. Batch 1 on the 2-core CPU settles on width 3, and exploring every 8th
+# block (width 1 or 2 there: about 20% fewer tokens a second) cost it about 2%.
+EXPLORE_AT_MOST = 64
+
 
 def neighbour(width, widest, turn):
     """The width to explore on `turn` from `width` in 1..widest: narrower, wider, then 1
@@ -237,7 +243,8 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
 
     `cost`: anything with InvocationCost's update/predict (tests pass fixed costs);
     `clock`: seconds, time.perf_counter by default; `explore_every`: every how many
-    blocks a neighbouring width is timed (0: never). The rates and costs persist
+    blocks a neighbouring width is timed (0: never), at first and whenever the choice
+    changes (EXPLORE_AT_MOST). The rates and costs persist
     across the batches of a run.
     """
 
@@ -248,6 +255,9 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
         self.clock = clock
         self.explore_every = explore_every
         self.blocks = 0
+        self.explorations = []  # the blocks (1, 2, ...) that explored
+        self.explore_gap = explore_every  # blocks from one exploration to the next
+        self.explored_from = None  # the width chosen when the last exploration came
         self.choice = None  # (batch size, width) last chosen
         self.widths = np.arange(1, self.block_size + 1)
         self.timing = None  # (width, batch size, start) of the block under way
@@ -280,8 +290,13 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
             self.choice = (batch_size, width) if costs[width - 1] > 0 else None
         else:
             width = self.choice[1]
-        if self.explore_every and self.blocks % self.explore_every == 0:
-            width = neighbour(width, self.block_size, self.blocks // self.explore_every)
+        last = self.explorations[-1] if self.explorations else 0
+        if self.explore_every and self.blocks >= last + self.explore_gap:
+            settled = width == self.explored_from
+            self.explore_gap = min(2 * self.explore_gap, EXPLORE_AT_MOST) if settled else self.explore_every
+            self.explored_from = width
+            self.explorations.append(self.blocks)
+            width = neighbour(width, self.block_size, len(self.explorations))
         self.stats.widths[width] += 1
         # The block's time starts after the choice: choosing (every few blocks, and at the
         # blocks that explore) is no cost of the width chosen.

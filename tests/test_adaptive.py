@@ -9,9 +9,8 @@ from test_generator import CacheWatch, Oracle, RandomRuns, assert_same, blockwis
 
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.adaptive import (
-    EXPLORE_EVERY, AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width, cost_features,
-    expected_tokens,
-    neighbour, nonnegative_solve,
+    EXPLORE_AT_MOST, AcceptanceRates, AdaptiveBlockwiseGenerator, InvocationCost, choose_width,
+    cost_features, expected_tokens, neighbour, nonnegative_solve,
 )
 
 
@@ -233,7 +232,7 @@ def test_measured_costs_settle_as_hand_made_ones(data_dir, agree):
     assert_same(expected, hypos)
     tail = generator.chosen[len(generator.chosen) // 2:]
     settled = 5 if agree else 1
-    explored = [width for block, width in enumerate(generator.chosen, 1) if block % EXPLORE_EVERY == 0]
+    explored = [generator.chosen[block - 1] for block in generator.explorations]
     assert Counter(tail).most_common(1)[0][0] == settled
     assert set(tail) - set(explored) == {settled}  # other widths only where it explores
     assert set(explored) <= ({4, 1} if agree else {2})  # below (or above) it, and the lean path
@@ -264,11 +263,15 @@ def test_exploration_times_neighbours_of_a_fixed_choice(data_dir):
                                  references=[e["tokens"] for e in expected], agree=True, cost=Three(),
                                  explore_every=2)
     assert_same(expected, hypos)
-    blocks, explorations = len(generator.chosen), len(generator.chosen) // 2
-    # Every 2nd block explores: above (4), the lean path (1), below (2), in turn.
-    assert Counter(generator.chosen) == Counter({3: blocks - explorations}) + Counter(
-        [4, 1, 2][(turn - 1) % 3] for turn in range(1, explorations + 1))
-    assert explorations >= 3
+    blocks, explorations = len(generator.chosen), generator.explorations
+    # The 2nd block explores, then, the choice unchanged, the 4th, 8th, 16th, ... (up to
+    # every EXPLORE_AT_MOST): above (4), the lean path (1), below (2), in turn.
+    gaps = [2] + [min(2 ** turn, EXPLORE_AT_MOST) for turn in range(1, len(explorations))]
+    assert explorations == list(np.cumsum(gaps))
+    assert [generator.chosen[block - 1] for block in explorations] == [
+        [4, 1, 2][turn % 3] for turn in range(len(explorations))]
+    assert set(generator.chosen[block - 1] for block in range(1, blocks + 1) if block not in explorations) == {3}
+    assert len(explorations) >= 3
     assert sum(timed.values()) == blocks - 1  # each block timed when the next is chosen
 
 
