@@ -12,6 +12,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     label_smoothed_nll_loss,
 )
 
+from .targets import shift_target
+
 
 @dataclass
 class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
@@ -32,19 +34,6 @@ class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
             "weighted mean over all heads"
         },
     )
-
-
-def shift_target(target, offset, pad):
-    """The target head `offset` is trained on: B x T, token t+offset at t.
-
-    Pad past the end, and wherever the target itself is pad: with left padding
-    (--left-pad-target) a padding position is followed by real tokens.
-    """
-    if offset == 0:
-        return target
-    shifted = target.new_full(target.shape, pad)
-    shifted[:, :-offset] = target[:, offset:]
-    return shifted.masked_fill_(target.eq(pad), pad)
 
 
 def teacher_forced_block(predictions, valid):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from fairseq import utils
 
-from .criterion import shift_target
+from .targets import shift_target
 from .errors import BlockwiseRequestError
 
 
