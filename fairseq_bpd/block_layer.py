@@ -6,10 +6,10 @@ checks, time-first/batch-first reshapes, a float copy of the key padding mask, a
 head-averaged attention weights for every layer. block_layer computes the same function
 for the layers it understands (the standard pre- or post-norm Transformer decoder layer
 in inference, see `understands`) with torch's fused attention, reading the layer's own
-weights and keeping fairseq's cache format: prev_key / prev_value b x h x T x d and
-prev_key_padding_mask b x T, so crop_cache, reorder_incremental_state and fairseq's own
-step read the cache as before. Any other layer runs as fairseq's. It rounds differently
-from fairseq's step, as any block pass does, which is why exactness is tested in float64.
+weights and reaching its cache only through the cache's own methods (cache.py), which
+keep fairseq's format, so reorder_incremental_state and fairseq's own step read it as
+before. Any other layer runs as fairseq's. It rounds differently from fairseq's step, as
+any block pass does, which is why exactness is tested in float64.
 """
 import math
 
@@ -60,26 +60,26 @@ def understands(layer):
     return not any(getattr(m, "apply_during_inference", False) for m in modules)
 
 
-def block_layer(layer, x, encoder_out, encoder_padding_mask, incremental_state, self_attn_mask, need_attn):
+def block_layer(layer, x, encoder_out, encoder_padding_mask, cache, self_attn_mask, need_attn):
     """The layer over a block: x n x b x C (time first, as fairseq) -> n x b x C, attention.
 
-    self_attn_mask: n x W+n additive (W cached entries, then the block), or None (a block
-    of one sees everything). encoder_out: S x b x C; encoder_padding_mask: b x S or None.
+    cache: the decoder's IncrementalCache (cache.py). self_attn_mask: n x W+n additive
+    (W cached entries, then the block), or None (a block of one sees everything).
+    encoder_out: S x b x C; encoder_padding_mask: b x S or None.
     The attention returned (need_attn) is the encoder attention averaged over heads,
     b x n x S, else None.
     """
     pre = layer.normalize_before
     residual = x
     y = norm(layer.self_attn_layer_norm, x) if pre else x
-    x = residual + self_attention(layer.self_attn, y, incremental_state, self_attn_mask)
+    x = residual + self_attention(layer.self_attn, y, cache, self_attn_mask)
     if not pre:
         x = norm(layer.self_attn_layer_norm, x)
     attn = None
     if layer.encoder_attn is not None and encoder_out is not None:
         residual = x
         y = norm(layer.encoder_attn_layer_norm, x) if pre else x
-        y, attn = encoder_attention(layer.encoder_attn, y, encoder_out, encoder_padding_mask, incremental_state,
-                                    need_attn)
+        y, attn = encoder_attention(layer.encoder_attn, y, encoder_out, encoder_padding_mask, cache, need_attn)
         x = residual + y
         if not pre:
             x = norm(layer.encoder_attn_layer_norm, x)
@@ -113,39 +113,26 @@ def time_first(x):
     return x.permute(2, 0, 1, 3).reshape(n, b, h * d)
 
 
-def self_attention(attention, x, incremental_state, mask):
+def self_attention(attention, x, cache, mask):
     """Self-attention of a block after the cached prefix, the cache extended by it: n x b x C."""
     h = attention.num_heads
-    buffer = attention._get_input_buffer(incremental_state)
     q = heads_first(linear(attention.q_proj, x) * attention.scaling, h)
     k = heads_first(linear(attention.k_proj, x), h)
     v = heads_first(linear(attention.v_proj, x), h)
-    holes = None
-    if "prev_key" in buffer:
-        k = torch.cat([buffer["prev_key"], k], dim=2)
-        v = torch.cat([buffer["prev_value"], v], dim=2)
-        holes = buffer.get("prev_key_padding_mask")
-        if holes is not None:  # the block's own entries are no holes
-            holes = torch.cat([holes.bool(), holes.new_zeros(holes.size(0), x.size(0), dtype=torch.bool)], dim=1)
-    buffer["prev_key"], buffer["prev_value"], buffer["prev_key_padding_mask"] = k, v, holes
-    attention._set_input_buffer(incremental_state, buffer)
-    if holes is not None:  # b x 1 x n x W+n, -inf at holes
-        base = mask if mask is not None else x.new_zeros(x.size(0), k.size(2))
-        mask = base.masked_fill(holes[:, None, None, :], -math.inf)
+    k, v, mask = cache.append(attention, k, v, mask)
     return linear(attention.out_proj, time_first(attend(q, k, v, mask)[0]))
 
 
-def encoder_attention(attention, x, encoder_out, padding_mask, incremental_state, need_attn):
+def encoder_attention(attention, x, encoder_out, padding_mask, cache, need_attn):
     """Attention of a block to the source, its keys and values cached on the first call:
     n x b x C, and the attention b x n x S averaged over heads (need_attn) or None."""
     h = attention.num_heads
-    buffer = attention._get_input_buffer(incremental_state)
-    if "prev_key" not in buffer:  # fairseq's static_kv cache, as its own step fills it
-        buffer["prev_key"] = heads_first(linear(attention.k_proj, encoder_out), h)
-        buffer["prev_value"] = heads_first(linear(attention.v_proj, encoder_out), h)
-        buffer["prev_key_padding_mask"] = padding_mask
-        attention._set_input_buffer(incremental_state, buffer)
-    k, v = buffer["prev_key"], buffer["prev_value"]
+    source = cache.source(attention)
+    if source is None:
+        source = (heads_first(linear(attention.k_proj, encoder_out), h),
+                  heads_first(linear(attention.v_proj, encoder_out), h))
+        cache.keep_source(attention, *source, padding_mask)
+    k, v = source
     q = heads_first(linear(attention.q_proj, x) * attention.scaling, h)
     mask = None
     if padding_mask is not None:  # b x 1 x 1 x S, -inf at padding

@@ -2,8 +2,8 @@
 
 Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
 Models", NeurIPS 2018. The decoder feeds a block of tokens after its cached prefix
-(forward_block) and keeps only the accepted entries of it (crop_cache): the only
-code that touches fairseq's self-attention cache buffers.
+(forward_block) and keeps only the accepted entries of it (crop_cache), both through
+the cache's own room (cache.py).
 """
 import logging
 from dataclasses import dataclass, field
@@ -25,6 +25,7 @@ from fairseq.models.transformer import (
 )
 
 from .block_layer import block_layer, understands
+from .cache import IncrementalCache
 from .errors import BlockwiseRequestError
 from .hub import BlockwiseHubInterface
 from .heads import HEAD_TYPES, shortlist_problem
@@ -34,11 +35,6 @@ logger = logging.getLogger(__name__)
 # The task owns --block-size (it also means the decoding block size); this is the
 # number of heads a model gets when training does not say.
 DEFAULT_BLOCK_SIZE = 4
-
-# crop_cache compacts the self-attention cache once masked holes make it this much
-# wider than its longest prefix (0.5: 50% wider). Holes cost attention and fairseq's
-# per-step copy of the cache; compacting costs one such copy.
-COMPACT_AT = 0.5
 
 
 def weights_key(*weights):
@@ -195,7 +191,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         passes its ancestor mask). Every token attends to the whole cached prefix.
         Sentences whose cached prefixes differ in length share the cache's columns, the
         entries not theirs (gaps, rejected ones) hidden by its key padding mask
-        (crop_cache). Returns features b x n x C and the alignment layer's attention
+        (IncrementalCache.crop). Returns features b x n x C and the alignment layer's attention
         b x n x S (mean over heads).
         """
         n = tokens.size(1)
@@ -210,11 +206,12 @@ class BlockwiseDecoder(TransformerDecoderBase):
             x = self.layernorm_embedding(x)
         x = self.dropout_module(x).transpose(0, 1)
 
+        cache = self.cache(incremental_state)
         full_mask = None  # a single token sees the whole prefix and itself, as in fairseq's step
         if n > 1:
             if self_attn_mask is None:
                 self_attn_mask = self.buffered_future_mask(x)
-            full_mask = x.new_zeros(n, self.cache_width(incremental_state) + n)
+            full_mask = x.new_zeros(n, cache.width() + n)
             full_mask[:, -n:] = self_attn_mask
         enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None
         padding_mask = (
@@ -224,7 +221,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         for idx, (layer, lean) in enumerate(zip(self.layers, self.lean_layers())):
             alignment = idx == self.num_layers - 1
             if lean:  # the same function in fewer operations (block_layer.py)
-                x, layer_attn = block_layer(layer, x, enc, padding_mask, incremental_state, full_mask, alignment)
+                x, layer_attn = block_layer(layer, x, enc, padding_mask, cache, full_mask, alignment)
                 if alignment:
                     attn = layer_attn
                 continue
@@ -256,78 +253,17 @@ class BlockwiseDecoder(TransformerDecoderBase):
             self._lean_layers, self._lean_hooks = [understands(layer) for layer in self.layers], hooks
         return self._lean_layers
 
+    def cache(self, incremental_state):
+        """The block pass's view of fairseq's incremental state: an IncrementalCache (cache.py)."""
+        return IncrementalCache(self.layers, incremental_state)
+
     def cache_width(self, incremental_state):
         """Columns of the self-attention cache (its longest prefix plus padding): an int."""
-        buffer = self.layers[0].self_attn._get_input_buffer(incremental_state)
-        return buffer["prev_key"].size(2) if "prev_key" in buffer else 0
+        return self.cache(incremental_state).width()
 
     def crop_cache(self, incremental_state, cached, block_width, keep, kept):
-        """Keep, after each sentence's cached prefix, only the chosen entries of the last block.
-
-        Before the call each layer's self-attention cache holds, per sentence, `cached`
-        (b) valid entries among its first W columns, the others hidden by the key padding
-        mask (fairseq's attention reads it with the cache), then the `block_width` entries
-        of the block just fed. keep: b x m, block positions in the order they stay (a
-        chain's accepted prefix 0, 1, ...; a tree's accepted path); the first `kept` (b)
-        of them stay. Returns cached + kept.
-
-        Attention ignores where a key sits (positions were added to the inputs), so a
-        chain's rejected entries need no moving: they are cut off the end where every
-        sentence rejected them and masked where only some did, which costs no copy.
-        The cache is compacted (one gather) only for a tree's path, or once such holes
-        widen it by more than COMPACT_AT of its longest prefix.
-        """
-        lengths = cached + kept
-        if block_width == 1:
-            return lengths  # a block of one is kept whole: nothing to cut
-        old_width = self.cache_width(incremental_state) - block_width
-        holes = self.layers[0].self_attn._get_input_buffer(incremental_state).get(
-            "prev_key_padding_mask")  # b x W + block_width, or None: no holes
-        longest = int(kept.max())
-        offsets = torch.arange(longest, device=kept.device)
-        beyond = offsets >= kept[:, None]  # b x longest: block entries a sentence rejected
-        if bool(((keep[:, :longest] == offsets) | beyond).all()):  # every sentence keeps a chain prefix
-            width = old_width + longest
-            if holes is None and not bool(beyond.any()):  # all keep the same: cut the tail
-                self.rewrite_cache(incremental_state, width)
-                return lengths
-            if width <= (1 + COMPACT_AT) * int(lengths.max()):
-                prefix = beyond.new_zeros(kept.size(0), old_width) if holes is None else holes[:, :old_width].bool()
-                self.rewrite_cache(incremental_state, width, padding=torch.cat([prefix, beyond], dim=1))
-                return lengths
-        self.compact_cache(incremental_state, cached, old_width, holes, keep, lengths)
-        return lengths
-
-    def compact_cache(self, incremental_state, cached, old_width, holes, keep, lengths):
-        """Gather each sentence's valid prefix entries, then its kept block entries, to the front."""
-        width = int(lengths.max())
-        columns = torch.arange(width, device=cached.device).unsqueeze(0)  # 1 x W'
-        if holes is None:
-            prefix = columns.expand(cached.size(0), -1)
-        else:  # the valid columns first, in their order (a stable sort of the hole flags)
-            prefix = holes[:, :old_width].to(torch.uint8).sort(dim=1, stable=True).indices
-            prefix = torch.cat([prefix, prefix.new_zeros(prefix.size(0), max(width - old_width, 0))], dim=1)
-            prefix = prefix[:, :width]
-        from_block = (columns - cached[:, None]).clamp(0, keep.size(1) - 1)  # b x W'
-        index = torch.where(columns < cached[:, None], prefix, old_width + keep.gather(1, from_block))
-        padding = columns >= lengths[:, None]  # b x W'
-        # No mask where no sentence is shorter (batch 1 always): attention then skips it.
-        self.rewrite_cache(incremental_state, width, index, padding=padding if bool(padding.any()) else None)
-
-    def rewrite_cache(self, incremental_state, width, index=None, padding=None):
-        """Every layer's self-attention cache becomes its first `width` columns, or, given
-        index (b x width), those columns per sentence; `padding` (b x width or None) hides columns."""
-        for layer in self.layers:
-            buffer = layer.self_attn._get_input_buffer(incremental_state)
-            for key in ("prev_key", "prev_value"):
-                cache = buffer[key]  # b x heads x W+n x d
-                if index is None:
-                    buffer[key] = cache[:, :, :width]
-                else:
-                    expanded = index[:, None, :, None].expand(-1, cache.size(1), -1, cache.size(3))
-                    buffer[key] = cache.gather(2, expanded)
-            buffer["prev_key_padding_mask"] = padding
-            layer.self_attn._set_input_buffer(incremental_state, buffer)
+        """Keep only the accepted entries of the last block (IncrementalCache.crop): cached + kept, b."""
+        return self.cache(incremental_state).crop(cached, block_width, keep, kept)
 
     def position_table(self, size):
         """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal).

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fairseq_bpd.block_layer import block_layer, understands
+from fairseq_bpd.cache import IncrementalCache
 from conftest import build, random_sample
 
 
@@ -35,7 +36,7 @@ def run_both(layer, x, enc, padding, state, mask, need_attn):
                                        need_attn=need_attn, need_head_weights=need_attn)
     if expected_attn is not None:
         expected_attn = expected_attn.float().to(x).mean(dim=0)
-    out, attn = block_layer(layer, x, enc, padding, lean_state, mask, need_attn)
+    out, attn = block_layer(layer, x, enc, padding, IncrementalCache([layer], lean_state), mask, need_attn)
     return (expected, expected_attn, fairseq_state), (out, attn, lean_state)
 
 

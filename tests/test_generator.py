@@ -8,6 +8,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from conftest import build, random_sample
 
 from fairseq_bpd.acceptance import accept, confident_width, verify
+from fairseq_bpd.cache import IncrementalCache
 from fairseq_bpd.generator import BlockwiseGenerator
 
 GREEDY_OPTIONS = ("max_len_a", "max_len_b", "min_len", "normalize_scores", "len_penalty",
@@ -248,81 +249,6 @@ def test_block_size_one_is_plain_greedy(data_dir):
     assert generator.stats.mean_accepted_block() == 1.0
 
 
-def assert_features_of_a_full_prefix_pass(model, encoder_out, prefixes, block, features):
-    """Each sentence's block features (b x n x C) equal one pass over its prefix (a token
-    list) and its block (b x n), without a cache."""
-    for i, prefix in enumerate(prefixes):
-        full_input = torch.tensor(prefix + block[i].tolist())[None]
-        one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
-        full, _ = model.decoder.extract_features(full_input, one)
-        assert torch.allclose(features[i], full[0, -block.size(1):], atol=1e-6)
-
-
-def test_cached_blocks_match_a_full_prefix_pass(data_dir):
-    """Feeding blocks and rolling back a different suffix per sentence equals recomputing."""
-    task, model, _ = build(data_dir, "--block-size", "4", seed=9)
-    decoder, eos = model.decoder, task.target_dictionary.eos()
-    sample = random_sample(task, bsz=3, seed=9)
-    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
-    torch.manual_seed(0)
-    prefixes = [[] for _ in range(3)]
-    cached = torch.zeros(3, dtype=torch.long)
-    state = {}
-    for round_, kept in enumerate(([1, 1, 1], [3, 1, 2], [2, 4, 1], [4, 4, 4], [1, 3, 2], [2, 2, 2])):
-        block = torch.randint(4, 28, (3, 4))
-        if round_ == 0:
-            block[:, 0] = eos
-        positions = cached[:, None] + torch.arange(4)
-        features, _ = decoder.forward_block(block, positions, encoder_out, state)
-        assert_features_of_a_full_prefix_pass(model, encoder_out, prefixes, block, features)
-        kept = torch.tensor(kept)
-        for i in range(3):
-            prefixes[i] += block[i, : kept[i]].tolist()
-        cached = decoder.crop_cache(state, cached, 4, torch.arange(4).expand(3, -1), kept)
-        assert cached.tolist() == [len(p) for p in prefixes]
-
-
-def test_masked_holes_and_compaction_match_a_full_prefix_pass(data_dir):
-    """Rejected entries left in the cache as masked holes, compacted now and then, a sentence
-    leaving the batch in between: every block's features still equal recomputing the prefix."""
-    task, model, _ = build(data_dir, "--block-size", "4", seed=10)
-    decoder, eos = model.decoder, task.target_dictionary.eos()
-    sample = random_sample(task, bsz=4, seed=10)
-    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
-    generator = torch.Generator().manual_seed(3)
-    prefixes = [[] for _ in range(4)]
-    rows = list(range(4))
-    cached = torch.zeros(4, dtype=torch.long)
-    state, saw_holes, compactions = {}, False, 0
-    for round_ in range(14):
-        b = len(rows)
-        block = torch.randint(4, 28, (b, 4), generator=generator)
-        if round_ == 0:
-            block[:, 0] = eos
-        features, _ = decoder.forward_block(block, cached[:, None] + torch.arange(4), encoder_out, state)
-        assert_features_of_a_full_prefix_pass(model, encoder_out, [prefixes[row] for row in rows], block, features)
-        kept = torch.randint(1, 3, (b,), generator=generator)
-        kept[round_ % b] = 4  # one keeps all: the others' rejected entries stay as holes, then pile up
-        for i, row in enumerate(rows):
-            prefixes[row] += block[i, : kept[i]].tolist()
-        width = decoder.cache_width(state)
-        cached = decoder.crop_cache(state, cached, 4, torch.arange(4).expand(b, -1), kept)
-        assert cached.tolist() == [len(prefixes[row]) for row in rows]
-        buffer = decoder.layers[0].self_attn._get_input_buffer(state)
-        mask = buffer["prev_key_padding_mask"]
-        assert buffer["prev_key"].size(2) >= int(cached.max())
-        if mask is not None:
-            assert (~mask.bool()).sum(1).tolist() == cached.tolist()  # the unmasked entries are the prefix
-            saw_holes |= bool((mask.bool()[:, :-1] & ~mask.bool()[:, 1:]).any())  # a hole before an entry
-        compactions += buffer["prev_key"].size(2) < width - 4
-        if round_ == 6:  # the second sentence leaves, as a finished one does
-            active = torch.tensor([0, 2, 3])
-            decoder.reorder_incremental_state_scripting(state, active)
-            encoder_out = model.encoder.reorder_encoder_out(encoder_out, active)
-            cached, rows = cached[active], [rows[i] for i in active.tolist()]
-    assert saw_holes and compactions > 0
-
-
 @pytest.mark.parametrize("flags", [[], ["--decoder-learned-pos"], ["--share-decoder-input-output-embed"]])
 def test_decoding_between_fairseqs_optimizer_steps_uses_the_new_weights(data_dir, flags):
     """fairseq's optimizers update p.data in place, which leaves the parameter's version
@@ -378,7 +304,7 @@ class CacheWatch:
 
     def __init__(self, decoder):
         self.holes = self.compactions = 0
-        crop, compact = decoder.crop_cache, decoder.compact_cache
+        crop, watch = decoder.crop_cache, self
 
         def watched_crop(state, *args):
             lengths = crop(state, *args)
@@ -389,11 +315,13 @@ class CacheWatch:
                 self.holes += bool((mask[:, :-1] & ~mask[:, 1:]).any())
             return lengths
 
-        def watched_compact(state, cached, old_width, holes, *args):
-            self.compactions += holes is not None
-            return compact(state, cached, old_width, holes, *args)
+        class WatchedCache(IncrementalCache):
+            def compact(self, cached, old_width, holes, *args):
+                watch.compactions += holes is not None
+                return super().compact(cached, old_width, holes, *args)
 
-        decoder.crop_cache, decoder.compact_cache = watched_crop, watched_compact
+        decoder.crop_cache = watched_crop
+        decoder.cache = lambda state: WatchedCache(decoder.layers, state)
 
 
 def ending_model(data_dir, block_size):
@@ -460,7 +388,7 @@ def assert_identical(hypos, others):
 def test_masked_holes_decode_as_gathering_every_block(data_dir, monkeypatch, options):
     """Rules that are not greedy's (--blockwise-topk, --blockwise-min-block): rejected entries
     left as masked holes decode exactly as gathering them out every block."""
-    import fairseq_bpd.model
+    import fairseq_bpd.cache
 
     task, model = ending_model(data_dir, 5)
     sample = random_sample(task, bsz=16, seed=1, max_len=20)
@@ -472,7 +400,7 @@ def test_masked_holes_decode_as_gathering_every_block(data_dir, monkeypatch, opt
     held, generator = blockwise(model, task, sample, 5, RandomRuns, max_len_b=40, references=references, seed=5,
                                 **options)
     assert watch.holes > 0 and len(generator.stats.accepted) > 2
-    monkeypatch.setattr(fairseq_bpd.model, "COMPACT_AT", -1.0)  # no hole survives a block
+    monkeypatch.setattr(fairseq_bpd.cache, "COMPACT_AT", -1.0)  # no hole survives a block
     watch.holes = 0
     gathered, _ = blockwise(model, task, sample, 5, RandomRuns, max_len_b=40, references=references, seed=5,
                             **options)

@@ -386,7 +386,7 @@ def test_interactive_samples_through_the_cli(trained_tiny):
 def test_masked_holes_sample_as_gathering_every_block(data_dir, monkeypatch):
     """Longer outputs whose sentences accept different lengths: rejected entries left in the
     cache as masked holes draw the same sentences, at one seed, as gathering them out every block."""
-    import fairseq_bpd.model
+    import fairseq_bpd.cache
     from test_generator import CacheWatch, assert_identical, ending_model
 
     task, model = ending_model(data_dir, 5)
@@ -400,7 +400,7 @@ def test_masked_holes_sample_as_gathering_every_block(data_dir, monkeypatch):
     watch = CacheWatch(model.decoder)
     held, sampler = draw_all()
     assert watch.holes > 0 and len(sampler.stats.accepted) > 2
-    monkeypatch.setattr(fairseq_bpd.model, "COMPACT_AT", -1.0)  # no hole survives a block
+    monkeypatch.setattr(fairseq_bpd.cache, "COMPACT_AT", -1.0)  # no hole survives a block
     watch.holes = 0
     gathered, _ = draw_all()
     assert watch.holes == 0

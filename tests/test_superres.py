@@ -338,7 +338,7 @@ def test_cli_end_to_end(tmp_path):
 def test_masked_holes_under_a_distance_decode_as_gathering_every_block(tmp_path, monkeypatch):
     """Images of 36 pixels, --blockwise-distance 3: sentences accept different lengths, and the
     rejected entries left as masked holes decode as gathering them out every block."""
-    import fairseq_bpd.model
+    import fairseq_bpd.cache
     from test_generator import CacheWatch, assert_identical
 
     directory = numeric_data(str(tmp_path / "numeric"), high=[6, 6])
@@ -349,7 +349,7 @@ def test_masked_holes_under_a_distance_decode_as_gathering_every_block(tmp_path,
     held, generator = blockwise(model, task, sample, 6, **options)
     assert watch.holes > 0 and len(generator.stats.accepted) > 2
     assert all(len(h[0]["tokens"]) == 37 for h in held)
-    monkeypatch.setattr(fairseq_bpd.model, "COMPACT_AT", -1.0)  # no hole survives a block
+    monkeypatch.setattr(fairseq_bpd.cache, "COMPACT_AT", -1.0)  # no hole survives a block
     watch.holes = 0
     gathered, _ = blockwise(model, task, sample, 6, **options)
     assert watch.holes == 0
