@@ -1,49 +1,31 @@
-"""A Transformer whose decoder carries k proposal heads (heads.py) and owns its block step.
+"""transformer_blockwise: a Transformer whose decoder carries k proposal heads.
 
 Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
-Models", NeurIPS 2018. The decoder feeds a block of tokens after its cached prefix
-(forward_block) and keeps only the accepted entries of it (crop_cache), both through
-the cache's own room (cache.py).
+Models", NeurIPS 2018. This file registers the model and its architectures and holds
+their options; the decoder and its block pass are in decoder.py, the heads in heads.py.
 """
-import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-from torch import nn
-from torch.utils.hooks import RemovableHandle
 from fairseq import hub_utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
-    TransformerDecoderBase,
     TransformerModel,
     base_architecture,
     transformer_iwslt_de_en,
     transformer_wmt_en_de_big,
 )
 
-from .block_layer import block_layer, understands
-from .cache import IncrementalCache
+from .decoder import BlockwiseDecoder
 from .errors import BlockwiseRequestError
 from .hub import BlockwiseHubInterface
 from .heads import HEAD_TYPES, shortlist_problem
 
-logger = logging.getLogger(__name__)
-
 # The task owns --block-size (it also means the decoding block size); this is the
 # number of heads a model gets when training does not say.
 DEFAULT_BLOCK_SIZE = 4
-
-
-def weights_key(*weights):
-    """What tells that weights changed (storage, version counter, dtype, device), and whether
-    what is made from them is made under inference_mode (whose tensors autograd refuses);
-    None for inference_mode's own tensors, which keep no version counter: then nothing does."""
-    if any(w.is_inference() for w in weights):
-        return None
-    return (torch.is_inference_mode_enabled(), *((w.data_ptr(), w._version, w.dtype, w.device) for w in weights))
 
 
 @dataclass
@@ -83,221 +65,6 @@ class BlockwiseHeadsConfig(FairseqDataclass):
             "loss and their proposals cost N/V of the full softmax (0: all)"
         },
     )
-
-
-class BlockwiseDecoder(TransformerDecoderBase):
-    """TransformerDecoder with k proposal heads; `extra["block_features"]` is B x T x k x C."""
-
-    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
-        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
-        self.block_size = cfg.block_size
-        self.head_layout = cfg.head_layout
-        self.head_vocab = getattr(cfg, "head_vocab", 0) or 0
-        self.heads = HEAD_TYPES[getattr(cfg, "head_type", None) or "independent"](
-            self,
-            self.block_size,
-            self.head_layout,
-            getattr(cfg, "head_ffn_dim", None) or cfg.decoder.ffn_embed_dim,
-            cfg.activation_fn,
-            cfg.dropout,
-        )
-
-    def proposal_logits(self, x):
-        """Training logits of heads 2..k (the criterion's entry): ... x C -> ... x N."""
-        return self.heads.proposal_logits(x)
-
-    def project(self, x, vocab=0):
-        """Logits of a few positions at a time, for decoding: ... x C -> ... x N.
-
-        N is the first `vocab` dictionary entries, or all of them (vocab 0). Computed as
-        x·(Wᵀ), Wᵀ a contiguous copy kept across calls (transposed_projection): nn.Linear's
-        x·Wᵀ on the V x C weight makes MKL re-pack all of W on every call, which for a
-        handful of rows cost more than the product (k=8 at batch 1, 7,936 types, the
-        2-core CPU: 0.46 ms against 0.21 ms; 0.68 against 0.49 at 18 rows). Both round
-        differently from fairseq's one-row step, which is why exactness is tested in float64.
-        """
-        projection = self.output_projection
-        plain = type(projection) is nn.Linear and projection.bias is None
-        if not plain or projection._forward_hooks or projection._forward_pre_hooks:
-            # Anything else (adaptive softmax, a wrapped or hooked projection) runs as is.
-            if vocab:
-                return self.output_layer(x)[..., :vocab]
-            return self.output_layer(x)
-        columns = self.transposed_projection()  # C x V
-        columns = columns[:, :vocab] if vocab else columns
-        # One 2-D product over all rows (x may be a transposed view: matmul would batch it).
-        return torch.mm(x.reshape(-1, x.size(-1)), columns).view(*x.shape[:-1], columns.size(1))
-
-    def transposed_projection(self):
-        """The output projection's weight transposed, contiguous: C x V, for decoding only.
-
-        Copied again whenever the weight changes (.to(), .double(), load_state_dict: see
-        weights_key); after training (train()) it is dropped. No gradient flows through it.
-        """
-        weight = self.output_projection.weight
-        key = weights_key(weight)
-        if key is None:  # nothing would tell an in-place change: nn.Linear's product, no copy
-            return weight.detach().t()
-        if getattr(self, "_transposed_key", None) != key:
-            self._transposed = weight.detach().t().contiguous()
-            self._transposed_key = key
-        return self._transposed
-
-    def train(self, mode=True):
-        """Drop what decoding keeps of the weights (transposed_projection, position_table) and
-        of the layers (lean_layers): fairseq's optimizers update p.data in place, which moves
-        no version counter, and fairseq's Trainer switches modes around every step and validation."""
-        self._transposed_key = self._position_key = self._lean_layers = None
-        return super().train(mode)
-
-    def forward(
-        self,
-        prev_output_tokens,
-        encoder_out=None,
-        incremental_state=None,
-        features_only=False,
-        full_context_alignment=False,
-        alignment_layer=None,
-        alignment_heads=None,
-        src_lengths=None,
-        return_all_hiddens=False,
-    ):
-        x, extra = self.extract_features(
-            prev_output_tokens,
-            encoder_out=encoder_out,
-            incremental_state=incremental_state,
-            full_context_alignment=full_context_alignment,
-            alignment_layer=alignment_layer,
-            alignment_heads=alignment_heads,
-        )
-        if incremental_state is None:
-            # Computed here, not in the criterion, so DDP sees every head used in forward.
-            extra["block_features"] = self.heads.block_features(x, inputs=prev_output_tokens)
-            x = extra["block_features"][..., 0, :]
-        else:
-            # fairseq's own step-by-step search only needs head 1.
-            x = self.heads.head1_features(x)
-        if not features_only:
-            x = self.output_layer(x)
-        return x, extra
-
-    def forward_block(self, tokens, positions, encoder_out, incremental_state, self_attn_mask=None):
-        """Feed a block of new tokens after the cached prefix (one decoder invocation).
-
-        fairseq's incremental path feeds one token; a block needs explicit positions
-        and a mask inside the block. tokens, positions: b x n (position 0 is BOS).
-        self_attn_mask: n x n, 0 where block token i may attend to block token j and
-        -inf elsewhere, the same for every sentence (default causal: a chain; a tree
-        passes its ancestor mask). Every token attends to the whole cached prefix.
-        Sentences whose cached prefixes differ in length share the cache's columns, the
-        entries not theirs (gaps, rejected ones) hidden by its key padding mask
-        (IncrementalCache.crop). Returns features b x n x C and the alignment layer's attention
-        b x n x S (mean over heads).
-        """
-        n = tokens.size(1)
-        x = self.embed_scale * self.embed_tokens(tokens)
-        if self.quant_noise is not None:
-            x = self.quant_noise(x)
-        if self.project_in_dim is not None:
-            x = self.project_in_dim(x)
-        if self.embed_positions is not None:
-            x += self.position_table(int(positions.max()) + 1)[positions]
-        if self.layernorm_embedding is not None:
-            x = self.layernorm_embedding(x)
-        x = self.dropout_module(x).transpose(0, 1)
-
-        cache = self.cache(incremental_state)
-        full_mask = None  # a single token sees the whole prefix and itself, as in fairseq's step
-        if n > 1:
-            if self_attn_mask is None:
-                self_attn_mask = self.buffered_future_mask(x)
-            full_mask = x.new_zeros(n, cache.width() + n)
-            full_mask[:, -n:] = self_attn_mask
-        enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None
-        padding_mask = (
-            encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
-        )
-        attn = None
-        for idx, (layer, lean) in enumerate(zip(self.layers, self.lean_layers())):
-            alignment = idx == self.num_layers - 1
-            if lean:  # the same function in fewer operations (block_layer.py)
-                x, layer_attn = block_layer(layer, x, enc, padding_mask, cache, full_mask, alignment)
-                if alignment:
-                    attn = layer_attn
-                continue
-            x, layer_attn, _ = layer(
-                x,
-                enc,
-                padding_mask,
-                incremental_state,
-                self_attn_mask=full_mask,
-                need_attn=alignment,
-                need_head_weights=alignment,
-            )
-            if alignment and layer_attn is not None:
-                attn = layer_attn.float().to(x).mean(dim=0)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        x = x.transpose(0, 1)
-        if self.project_out_dim is not None:
-            x = self.project_out_dim(x)
-        return x, attn
-
-    def lean_layers(self):
-        """Which layers block_layer runs: a list of bools, decided again after train() or eval()
-        (which is when a layer's dropout or modules change for decoding) and after any hook
-        is registered anywhere (torch numbers every hook handle: one integer to compare),
-        since block_layer does not call the modules a hook may sit on."""
-        hooks = RemovableHandle.next_id
-        if getattr(self, "_lean_layers", None) is None or getattr(self, "_lean_hooks", None) != hooks:
-            self._lean_layers, self._lean_hooks = [understands(layer) for layer in self.layers], hooks
-        return self._lean_layers
-
-    def cache(self, incremental_state):
-        """The block pass's view of fairseq's incremental state: an IncrementalCache (cache.py)."""
-        return IncrementalCache(self.layers, incremental_state)
-
-    def cache_width(self, incremental_state):
-        """Columns of the self-attention cache (its longest prefix plus padding): an int."""
-        return self.cache(incremental_state).width()
-
-    def crop_cache(self, incremental_state, cached, block_width, keep, kept):
-        """Keep only the accepted entries of the last block (IncrementalCache.crop): cached + kept, b."""
-        return self.cache(incremental_state).crop(cached, block_width, keep, kept)
-
-    def position_table(self, size):
-        """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal).
-
-        Kept across calls (each decoder invocation reads it) in a power-of-two size, and
-        made again when the embeddings' weights, dtype or device change, or after train().
-        """
-        weight = self.embed_tokens.weight
-        key = weights_key(weight, *self.embed_positions.parameters())
-        table = getattr(self, "_position_table", None)
-        if key is None or table is None or table.size(0) < size or self._position_key != key:
-            rows = min(1 << max(size - 1, 63).bit_length(), max(size, self.max_positions()))  # 64 at least
-            dummy = torch.full((1, rows), self.padding_idx + 1, dtype=torch.long, device=weight.device)
-            self._position_table, self._position_key = self.embed_positions(dummy)[0].detach(), key
-        return self._position_table[:size]
-
-    def upgrade_state_dict_named(self, state_dict, name):
-        """Give a plain transformer checkpoint (or one with heads of another type) fresh heads."""
-        state_dict = super().upgrade_state_dict_named(state_dict, name)
-        prefix = f"{name}.heads." if name else "heads."
-        own = {prefix + key for key in self.heads.state_dict()}
-        foreign = [key for key in state_dict if key.startswith(prefix) and key not in own]
-        for key in foreign:  # another --head-type's weights: nothing of them fits these heads
-            del state_dict[key]
-        if foreign:
-            logger.info(f"dropped {len(foreign)} proposal-head tensors of another head type ({prefix}*)")
-        added = 0
-        for key, value in self.heads.state_dict().items():
-            if prefix + key not in state_dict:
-                state_dict[prefix + key] = value.clone()
-                added += 1
-        if added:
-            logger.info(f"initialised {self.block_size}-head proposal layer ({prefix}*)")
-        return state_dict
 
 
 @register_model("transformer_blockwise")
@@ -379,7 +146,7 @@ def blockwise_wmt_en_de_big(args):
 
 @register_model_architecture("transformer_blockwise", "transformer_blockwise_small")
 def blockwise_small(args):
-    """3 layers of width 256: trains on a 2-core CPU (about 1,000 target words/s)."""
+    """3 layers of width 256: small enough to train on a CPU."""
     for side in ("encoder", "decoder"):
         setattr(args, f"{side}_embed_dim", getattr(args, f"{side}_embed_dim", 256))
         setattr(args, f"{side}_ffn_embed_dim", getattr(args, f"{side}_ffn_embed_dim", 1024))
