@@ -1,1 +1,1 @@
-from . import checkpoint_safety, model, criterion, task, superres  # noqa
+from . import patches, model, criterion, task, superres  # noqa

@@ -7,7 +7,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from fairseq_bpd.checkpoint_safety import CheckpointError
+from fairseq_bpd.errors import CheckpointError
 
 
 class RunsACommand:

@@ -21,7 +21,7 @@ from fairseq import checkpoint_utils
 
 from test_train import BLOCKWISE, ENV, TINY, binarised_corpus, fairseq, finish
 
-from fairseq_bpd.checkpoint_safety import CheckpointError
+from fairseq_bpd.errors import CheckpointError
 
 MODES = {"frozen": ["--freeze-base"], "finetuned": []}
 HEADS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")

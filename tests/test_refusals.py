@@ -243,7 +243,9 @@ def test_generator_refusals_are_of_the_one_class(seeded):
     assert issubclass(BlockwiseRequestError, ValueError)  # callers catching ValueError keep working
 
 
-PROGRAM = """
+# What fairseq's console scripts (fairseq-generate, ...) run before the plugin is imported.
+AS_FAIRSEQ_COMMAND = "from fairseq_cli.generate import cli_main\n"
+PROGRAM = AS_FAIRSEQ_COMMAND + """
 import fairseq_bpd
 from fairseq_bpd.errors import BlockwiseRequestError
 try:
@@ -251,13 +253,14 @@ try:
 except KeyError:
     raise BlockwiseRequestError("--blockwise: %s")
 """
+REFUSAL = "import fairseq_bpd\nfrom fairseq_bpd.errors import BlockwiseRequestError\n" \
+    "raise BlockwiseRequestError('--blockwise: refused')\n"
 
 
 @pytest.mark.parametrize("while_failing", [False, True])
 def test_only_a_refusal_that_is_the_whole_story_loses_its_traceback(while_failing):
     """A refusal raised while handling another error shows both, as Python does: the other is news."""
-    program = PROGRAM % "refused" if while_failing else "import fairseq_bpd\nfrom fairseq_bpd.errors import " \
-        "BlockwiseRequestError\nraise BlockwiseRequestError('--blockwise: refused')\n"
+    program = PROGRAM % "refused" if while_failing else AS_FAIRSEQ_COMMAND + REFUSAL
     process = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": os.path.dirname(PLUGIN)})
     assert process.returncode == 1
@@ -266,3 +269,13 @@ def test_only_a_refusal_that_is_the_whole_story_loses_its_traceback(while_failin
             "BlockwiseRequestError: --blockwise: refused")
     else:
         assert "Traceback" not in process.stderr and process.stderr.splitlines()[-1] == "error: --blockwise: refused"
+
+
+def test_a_program_that_only_imports_the_plugin_keeps_pythons_traceback():
+    """The one-line refusal is for fairseq's commands: importing the plugin changes no other program's hook."""
+    program = "import sys\nhook = sys.excepthook\n" + REFUSAL.replace("raise", "assert sys.excepthook is hook\nraise")
+    process = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.path.dirname(PLUGIN)})
+    assert process.returncode == 1
+    assert "Traceback (most recent call last)" in process.stderr and process.stderr.rstrip().endswith(
+        "BlockwiseRequestError: --blockwise: refused"), process.stderr

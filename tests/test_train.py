@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from conftest import PLUGIN
 
-from fairseq_bpd.checkpoint_safety import CheckpointError
+from fairseq_bpd.errors import CheckpointError
 from fairseq_bpd.model import BlockwiseTransformerModel
 
 BIN = os.path.dirname(sys.executable)

@@ -1,19 +1,23 @@
-"""Let torch's weights-only loading read fairseq checkpoints, and nothing more.
+"""What fairseq_bpd changes outside itself when it is imported, all in one place.
 
-torch >= 2.6 loads with weights_only=True, which builds tensors and containers but no
-other class unless allow-listed; fairseq 0.12 calls torch.load without weights_only, so
-its checkpoints fail to load. We allow-list exactly the globals a fairseq checkpoint
-holds (found with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints
-of this plugin and of plain --arch transformer) and keep weights-only loading on.
-
-It also makes fairseq's checkpoint copies atomic, so a killed job leaves a whole
-checkpoint_last.pt to resume from.
+- torch's weights-only loading (torch >= 2.6 loads with weights_only=True, and fairseq
+  0.12 does not say otherwise) may build exactly the globals a fairseq checkpoint holds,
+  found with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints of this
+  plugin and of plain --arch transformer; nothing more.
+- fairseq's checkpoint loader: a file that is no loadable checkpoint raises
+  CheckpointError naming it and why, not a pickle traceback.
+- fairseq's checkpoint copies are atomic, so a killed job leaves a whole
+  checkpoint_last.pt to resume from.
+- fairseq's commands (fairseq-generate, fairseq-train, python -m fairseq_cli.generate,
+  ...) print an uncaught BlockwiseRequestError as `error: <message>` on one line; other
+  programs keep Python's traceback.
 """
 import argparse
 import collections
 import os
 import pickle
 import re
+import sys
 import typing
 
 import numpy as np
@@ -29,6 +33,8 @@ try:  # numpy >= 2
     from numpy._core.multiarray import _reconstruct
 except ImportError:
     from numpy.core.multiarray import _reconstruct
+
+from .errors import BlockwiseRequestError, CheckpointError
 
 CHECKPOINT_GLOBALS = [
     # --arch (legacy) models keep their flags as a Namespace in cfg.model (old ones in "args").
@@ -60,10 +66,6 @@ torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS + BROADCAST_GLOBALS)
 BLOCKED_MODULES = getattr(
     torch._weights_only_unpickler, "_blocklisted_modules", ["sys", "os", "posix", "nt"]
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot or may not be loaded; the message says what to do."""
 
 
 def _refusal(path, error):
@@ -129,10 +131,10 @@ def _not_a_checkpoint(path, local_path, corrupt):
 _fairseq_load_checkpoint_to_cpu = checkpoint_utils.load_checkpoint_to_cpu
 
 
-def load_checkpoint_to_cpu(path, *args, **kwargs):
+def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     """fairseq's loader, but a bad file raises CheckpointError naming it, not a pickle traceback."""
     try:
-        return _fairseq_load_checkpoint_to_cpu(path, *args, **kwargs)
+        return _fairseq_load_checkpoint_to_cpu(path, arg_overrides, load_on_all_ranks)
     # What torch.load raises on a bad file (an IndexError: an old-format file cut after a
     # byte or so), and fairseq on a file that is no checkpoint (TypeError, KeyError);
     # _refusal lets through whatever the file is not to blame for. An OSError that
@@ -176,3 +178,34 @@ class AtomicCopyPathManager(PathManager):
 # checkpoint_utils.save_checkpoint reaches the copy as its module's PathManager.copy.
 if getattr(checkpoint_utils.PathManager, "__module__", None) != __name__:
     checkpoint_utils.PathManager = AtomicCopyPathManager
+
+
+def running_a_fairseq_command():
+    """Whether this process is one of fairseq's commands: its console scripts (fairseq-generate,
+    fairseq-train, ...) run fairseq_cli's cli_main from their __main__, and `python -m
+    fairseq_cli.generate` runs the module as __main__."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.startswith("fairseq_cli."):
+        return True
+    return (getattr(getattr(main, "cli_main", None), "__module__", None) or "").startswith("fairseq_cli.")
+
+
+def print_refusals(fallback):
+    """sys.excepthook for fairseq's commands: an uncaught refusal on one line, `error: <message>`."""
+
+    def excepthook(kind, value, traceback):
+        # A refusal raised while another error was being handled is not the whole story.
+        chained = value.__cause__ is not None or (value.__context__ is not None and not value.__suppress_context__)
+        if isinstance(value, BlockwiseRequestError) and not chained:
+            print(f"error: {value}", file=sys.stderr)
+        else:
+            fallback(kind, value, traceback)
+
+    return excepthook
+
+
+# Only uncaught exceptions reach the hook, so callers that catch the error see no change;
+# a program that merely imports the plugin keeps its own hook and Python's tracebacks.
+if running_a_fairseq_command() and getattr(sys.excepthook, "__module__", None) != __name__:
+    sys.excepthook = print_refusals(sys.excepthook)
