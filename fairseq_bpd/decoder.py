@@ -35,17 +35,22 @@ class BlockwiseDecoder(TransformerDecoderBase):
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
-        self.block_size = cfg.block_size
+        self.proposal_heads = cfg.proposal_heads
         self.head_layout = cfg.head_layout
         self.head_vocab = getattr(cfg, "head_vocab", 0) or 0
         self.heads = HEAD_TYPES[getattr(cfg, "head_type", None) or "independent"](
             self,
-            self.block_size,
+            self.proposal_heads,
             self.head_layout,
             getattr(cfg, "head_ffn_dim", None) or cfg.decoder.ffn_embed_dim,
             cfg.activation_fn,
             cfg.dropout,
         )
+
+    @property
+    def block_size(self):
+        """The number of heads k, under its name from before proposal_heads (the widest block)."""
+        return self.proposal_heads
 
     def proposal_logits(self, x):
         """Training logits of heads 2..k (the criterion's entry): ... x C -> ... x N."""
@@ -240,5 +245,5 @@ class BlockwiseDecoder(TransformerDecoderBase):
                 state_dict[prefix + key] = value.clone()
                 added += 1
         if added:
-            logger.info(f"initialised {self.block_size}-head proposal layer ({prefix}*)")
+            logger.info(f"initialised {self.proposal_heads}-head proposal layer ({prefix}*)")
         return state_dict

@@ -23,13 +23,20 @@ from .errors import BlockwiseRequestError
 from .hub import BlockwiseHubInterface
 from .heads import HEAD_TYPES, shortlist_problem
 
-# The task owns --block-size (it also means the decoding block size); this is the
-# number of heads a model gets when training does not say.
-DEFAULT_BLOCK_SIZE = 4
+# The number of heads a model gets when training gives neither --proposal-heads nor
+# --block-size.
+DEFAULT_PROPOSAL_HEADS = 4
 
 
 @dataclass
 class BlockwiseHeadsConfig(FairseqDataclass):
+    proposal_heads: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "the number of heads k, head 1 (the next token) included; the checkpoint "
+            f"keeps it (default: training's --block-size, else {DEFAULT_PROPOSAL_HEADS})"
+        },
+    )
     head_layout: ChoiceEnum(["base", "paper"]) = field(
         default="base",
         metadata={
@@ -79,16 +86,18 @@ class BlockwiseTransformerModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         blockwise_base_architecture(args)
-        if args.block_size < 1:
-            raise BlockwiseRequestError(f"--block-size must be at least 1 (got {args.block_size})")
+        if args.proposal_heads < 1:  # the flag it came from: --block-size unless the heads were given
+            flag = "--block-size" if args.proposal_heads == args.block_size else "--proposal-heads"
+            raise BlockwiseRequestError(f"{flag} must be at least 1 (got {args.proposal_heads})")
         problem = shortlist_problem("--head-vocab", args.head_vocab, task.target_dictionary)
         if problem:
             raise BlockwiseRequestError(problem)
         if args.adaptive_softmax_cutoff:  # at training and at loading alike
             raise BlockwiseRequestError("--adaptive-softmax-cutoff: the proposal heads need the "
                                         "decoder's plain output projection, not an adaptive softmax")
-        if args.freeze_base and args.block_size == 1 and args.head_layout == "base":
-            raise BlockwiseRequestError("--freeze-base with --block-size 1 and --head-layout base leaves nothing to train")
+        if args.freeze_base and args.proposal_heads == 1 and args.head_layout == "base":
+            raise BlockwiseRequestError("--freeze-base with a single head (k=1) and --head-layout base "
+                                        "leaves nothing to train")
         model = super().build_model(args, task)
         if args.freeze_base:
             for name, param in model.named_parameters():
@@ -98,17 +107,16 @@ class BlockwiseTransformerModel(TransformerModel):
 
     @classmethod
     def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):
-        """fairseq's loading, with a hub whose translate() under --blockwise asks for no beam.
-
-        block_size is the task's decoding block: fairseq would also set it in the model's
-        options, which name the checkpoint's heads, and fail to load their weights.
-        """
-        block_size = kwargs.pop("block_size", None)
+        """fairseq's loading, with a hub whose translate() under --blockwise asks for no beam."""
         loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
                                            archive_map=cls.hub_models(), **kwargs)
-        if block_size is not None:
-            loaded["task"].cfg.block_size = block_size
         return BlockwiseHubInterface(loaded["args"], loaded["task"], loaded["models"])
+
+    @classmethod
+    def upgrade_saved_options(cls, args):
+        """Upgrade a checkpoint's model options as saved, before load-time overrides apply
+        (patches.py): one saved before --proposal-heads names its heads by block_size alone."""
+        add_proposal_heads(args)
 
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
@@ -117,9 +125,17 @@ class BlockwiseTransformerModel(TransformerModel):
         )
 
 
+def add_proposal_heads(args):
+    """Training's --block-size K without --proposal-heads asks for K heads, as it did before
+    the field existed; a checkpoint saved then holds block_size alone, read the same way."""
+    if getattr(args, "proposal_heads", None) is None:
+        if getattr(args, "block_size", None) is None:  # not `or`: 0 must reach the check
+            args.block_size = DEFAULT_PROPOSAL_HEADS
+        args.proposal_heads = args.block_size
+
+
 def _blockwise_defaults(args):
-    if getattr(args, "block_size", None) is None:  # not `or`: 0 must reach the check
-        args.block_size = DEFAULT_BLOCK_SIZE
+    add_proposal_heads(args)
     for name, value in vars(BlockwiseHeadsConfig()).items():
         if not name.startswith("_") and getattr(args, name, None) is None:
             setattr(args, name, value)

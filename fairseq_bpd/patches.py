@@ -5,7 +5,9 @@
   found with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints of this
   plugin and of plain --arch transformer; nothing more.
 - fairseq's checkpoint loader: a file that is no loadable checkpoint raises
-  CheckpointError naming it and why, not a pickle traceback.
+  CheckpointError naming it and why, not a pickle traceback; a checkpoint's model may
+  upgrade the options it was saved with (upgrade_saved_options) before load-time
+  overrides are applied.
 - fairseq's checkpoint copies are atomic, so a killed job leaves a whole
   checkpoint_last.pt to resume from.
 - fairseq's commands (fairseq-generate, fairseq-train, python -m fairseq_cli.generate,
@@ -23,9 +25,11 @@ import typing
 import numpy as np
 import torch
 from fairseq import checkpoint_utils
+from fairseq.dataclass.utils import overwrite_args_by_name
 from fairseq.distributed.utils import _TensorPlaceholder
 from fairseq.file_io import PathManager
-from omegaconf import DictConfig, ListConfig
+from fairseq.models import ARCH_MODEL_REGISTRY
+from omegaconf import DictConfig, ListConfig, open_dict
 from omegaconf.base import ContainerMetadata, Metadata
 from omegaconf.nodes import AnyNode
 
@@ -131,10 +135,24 @@ def _not_a_checkpoint(path, local_path, corrupt):
 _fairseq_load_checkpoint_to_cpu = checkpoint_utils.load_checkpoint_to_cpu
 
 
+# Overrides that the checkpoint's model must see only after upgrade_saved_options: the
+# hub's block_size sets the decoding block, while a checkpoint saved before
+# --proposal-heads names its heads by block_size alone.
+LATE_OVERRIDES = ("block_size",)
+
+
 def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-    """fairseq's loader, but a bad file raises CheckpointError naming it, not a pickle traceback."""
+    """fairseq's loader, but a bad file raises CheckpointError naming it, not a pickle traceback,
+    and the checkpoint's model upgrades its saved options before LATE_OVERRIDES apply.
+
+    fairseq applies arg_overrides to the options as it reads them, before its own
+    upgrade; those in LATE_OVERRIDES are held back and applied, as fairseq does, after
+    upgrade_saved_options.
+    """
+    late = {name: arg_overrides[name] for name in LATE_OVERRIDES if name in (arg_overrides or {})}
+    early = None if arg_overrides is None else {k: v for k, v in arg_overrides.items() if k not in late}
     try:
-        return _fairseq_load_checkpoint_to_cpu(path, arg_overrides, load_on_all_ranks)
+        state = _fairseq_load_checkpoint_to_cpu(path, early, load_on_all_ranks)
     # What torch.load raises on a bad file (an IndexError: an old-format file cut after a
     # byte or so), and fairseq on a file that is no checkpoint (TypeError, KeyError);
     # _refusal lets through whatever the file is not to blame for. An OSError that
@@ -148,6 +166,26 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         if message is None:
             raise
         raise CheckpointError(message) from None
+    upgrade_saved_options(state)
+    if late:
+        if state.get("args") is not None:
+            for name, value in late.items():
+                setattr(state["args"], name, value)
+        if state.get("cfg") is not None:
+            overwrite_args_by_name(state["cfg"], late)
+    return state
+
+
+def upgrade_saved_options(state):
+    """Let the model a checkpoint was saved from upgrade its options, as fairseq lets it
+    upgrade its weights: the registered model class's upgrade_saved_options(model options)."""
+    cfg = state.get("cfg")
+    options = cfg.get("model") if cfg is not None else None
+    model_class = ARCH_MODEL_REGISTRY.get(getattr(options, "arch", None))
+    upgrade = getattr(model_class, "upgrade_saved_options", None)
+    if upgrade is not None:
+        with open_dict(cfg):
+            upgrade(options)
 
 
 # fairseq's trainer, load_model_ensemble(_and_task) and hub_utils all reach the loader as

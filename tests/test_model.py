@@ -1,16 +1,20 @@
 """transformer_blockwise: k heads on fairseq's decoder, sharing its output projection."""
+import os
 from argparse import Namespace
 
 import pytest
 import torch
+from fairseq import checkpoint_utils, tasks
 from fairseq.criterions import CRITERION_REGISTRY
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 from fairseq.tasks import TASK_REGISTRY
+from fairseq.trainer import Trainer
 
 from conftest import build, parse
 from test_criterion import criterion, translation_batch
 
-from fairseq_bpd.model import DEFAULT_BLOCK_SIZE, BlockwiseDecoder, BlockwiseTransformerModel
+from fairseq_bpd.model import DEFAULT_PROPOSAL_HEADS, BlockwiseDecoder, BlockwiseTransformerModel
 
 ARCHS = {  # name: (embed dim, layers) the architecture gives when the command line does not
     "transformer_blockwise": (512, 6),
@@ -36,7 +40,7 @@ def test_components_are_registered(data_dir):
         args = Namespace()
         ARCH_CONFIG_REGISTRY[arch](args)
         assert (args.decoder_embed_dim, args.decoder_layers) == (dim, layers), arch
-        assert args.block_size == DEFAULT_BLOCK_SIZE
+        assert args.block_size == args.proposal_heads == DEFAULT_PROPOSAL_HEADS
         assert (args.head_layout, args.freeze_base) == ("base", False)
 
 
@@ -185,3 +189,75 @@ def test_project_is_the_output_layer_and_keeps_hooks(data_dir):
     decoder.output_projection.register_forward_hook(lambda module, inputs, out: out + 100.0 * (torch.arange(out.size(-1)) == eos))
     assert decoder.project(x).argmax(-1).eq(eos).all()
     assert decoder.project(x, 9).argmax(-1).eq(eos).all()
+
+
+@pytest.mark.parametrize("flags,heads,block_size", [
+    ([], DEFAULT_PROPOSAL_HEADS, DEFAULT_PROPOSAL_HEADS),
+    (["--block-size", "3"], 3, 3),  # training's --block-size K: K heads, as before --proposal-heads
+    (["--proposal-heads", "5"], 5, None),  # the task then decodes with all of them
+    (["--proposal-heads", "5", "--block-size", "2"], 5, 2),
+])
+def test_the_heads_are_their_own_option(data_dir, flags, heads, block_size):
+    args = parse(data_dir, *flags)
+    assert (args.proposal_heads, args.block_size) == (heads, block_size)
+    task, model, _ = build(data_dir, *flags)
+    assert model.decoder.proposal_heads == model.decoder.block_size == heads
+    assert run(model, translation_batch(task, 2, seed=1))[1].size(2) == heads
+
+
+def test_proposal_heads_zero_is_refused_by_its_flag(data_dir):
+    with pytest.raises(ValueError, match="--proposal-heads must be at least 1 \\(got 0\\)"):
+        build(data_dir, "--proposal-heads", "0")
+
+
+def save(data_dir, *flags):
+    """A checkpoint of a tiny model, saved by fairseq's Trainer as fairseq-train saves one."""
+    cfg = convert_namespace_to_omegaconf(parse(data_dir, *flags, "--optimizer", "adam", "--lr", "0.01", "--cpu"))
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    for p in model.decoder.heads.parameters():  # no zeros: fresh heads would not pass for these
+        torch.nn.init.normal_(p)
+    trainer = Trainer(cfg, task, model, task.build_criterion(cfg.criterion))
+    trainer.consolidate_optimizer()
+    path = os.path.join(data_dir, "checkpoint.pt")
+    trainer.save_checkpoint(path, {})
+    return path, model.state_dict()
+
+
+def from_before_proposal_heads(path):
+    """The checkpoint as saved before --proposal-heads: block_size alone named the heads."""
+    state = torch.load(path)
+    del state["cfg"]["model"].proposal_heads
+    old = path.replace(".pt", "_old.pt")
+    torch.save(state, old)
+    return old
+
+
+@pytest.mark.parametrize("head_type", ["independent", "chained"])
+@pytest.mark.parametrize("overrides", [None, {}, {"block_size": 2}])  # {}: fairseq-generate's
+def test_a_checkpoint_from_before_proposal_heads_keeps_its_heads(data_dir, head_type, overrides):
+    """Upgraded on loading (its heads: its block_size), also when an override (the hub's,
+    --model-overrides) sets block_size, which fairseq applies before its upgrade."""
+    path, weights = save(data_dir, "--block-size", "3", "--head-type", head_type)
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [from_before_proposal_heads(path)], arg_overrides=overrides)
+    assert models[0].decoder.proposal_heads == cfg.model.proposal_heads == 3
+    loaded = models[0].state_dict()
+    assert sorted(loaded) == sorted(weights) and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    block_size = (overrides or {}).get("block_size", 3)
+    assert cfg.model.block_size == cfg.task.block_size == task.cfg.block_size == block_size
+
+
+def test_the_hub_sets_the_decoding_block_of_a_checkpoint_from_before_proposal_heads(data_dir):
+    path = from_before_proposal_heads(save(data_dir, "--block-size", "3")[0])
+    hub = BlockwiseTransformerModel.from_pretrained(data_dir, checkpoint_file=os.path.basename(path),
+                                                    data_name_or_path=data_dir, blockwise=True, block_size=2)
+    assert hub.models[0].decoder.proposal_heads == 3
+    assert hub.task.cfg.block_size == hub.task.build_generator(hub.models, Namespace()).block_size == 2
+
+
+def test_a_checkpoint_keeps_its_heads_whatever_block_size_loading_sets(data_dir):
+    path, _ = save(data_dir, "--proposal-heads", "4", "--block-size", "2")
+    for overrides in (None, {"block_size": 3}):
+        models, cfg = checkpoint_utils.load_model_ensemble([path], arg_overrides=overrides)
+        assert models[0].decoder.proposal_heads == cfg.model.proposal_heads == 4
