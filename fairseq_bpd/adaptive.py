@@ -248,6 +248,8 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
     across the batches of a run.
     """
 
+    implies = {"adaptive": True}
+
     def __init__(self, *args, cost=None, clock=time.perf_counter, explore_every=EXPLORE_EVERY, **kwargs):
         super().__init__(*args, **kwargs)
         self.rates = AcceptanceRates(self.block_size - 1)

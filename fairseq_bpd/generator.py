@@ -22,7 +22,8 @@ from fairseq.ngram_repeat_block import NGramRepeatBlock
 from .acceptance import (
     accept, accept_within_distance, along, commit, confident_width, greedy_step, symbol_numbers, verify,
 )
-from .errors import BlockwiseRequestError
+from .options import BlockwiseOptions
+from .refusals import refuse_for_model, refuse_prefix
 from .tree import Tree, default_rates
 
 logger = logging.getLogger(__name__)
@@ -95,69 +96,51 @@ class Batch:
 class BlockwiseGenerator(nn.Module):
     """Greedy decoding, k tokens at a time: fairseq's SequenceGenerator(beam_size=1) output."""
 
-    def __init__(
-        self,
-        model,
-        tgt_dict,
-        block_size,
-        topk=1,
-        min_block=1,
-        proposal_vocab=0,
-        confidence=0.0,
-        distance=0.0,
-        max_len_a=0,
-        max_len_b=200,
-        max_len=0,
-        min_len=1,
-        normalize_scores=True,
-        len_penalty=1.0,
-        unk_penalty=0.0,
-        temperature=1.0,
-        match_source_len=False,
-        no_repeat_ngram_size=0,
-        tree=0,
-        tree_rates=None,
-        stats=None,
-    ):
+    # Options a subclass decodes by its nature (the sampler's sampling, the adaptive width's
+    # adaptive); BlockwiseOptions.generator() picks the class that decodes them.
+    implies = {}
+
+    def __init__(self, model, tgt_dict, options=None, stats=None, **fields):
+        """options: a BlockwiseOptions, checked here against the model and dictionary
+        (refusals.refuse_for_model); or, for callers that build none, its fields as keywords.
+        stats: a BlockwiseStats to count into (the task passes one for a whole run, and logs it)."""
         super().__init__()
-        self.model = model
-        self.block_size = block_size
-        self.topk, self.min_block = topk, min_block
-        self.log_confidence = math.log(confidence) if confidence > 0 else -math.inf
+        if options is None:
+            options = BlockwiseOptions(**{**fields, **self.implies})
+        elif fields:
+            raise TypeError(f"give the options or their fields, not both (got {sorted(fields)})")
+        elif self.implies:
+            options = options.replace(**self.implies)
+        if (options.sampling, options.adaptive) != (self.implies.get("sampling", False),
+                                                    self.implies.get("adaptive", False)):
+            raise TypeError(f"{type(self).__name__} does not decode these options (sampling or adaptive): "
+                            f"build the generator with options.generator(model, tgt_dict)")
+        self.model, self.options = model, options
+        refuse_for_model(options, model, tgt_dict, model.decoder.heads)
+        self.block_size = block_size = options.block_size or model.decoder.proposal_heads
+        self.topk, self.min_block = options.topk, options.min_block
+        self.log_confidence = math.log(options.confidence) if options.confidence > 0 else -math.inf
         # --blockwise-distance: 0 is exact; otherwise proposals are judged by their numbers.
-        if not distance >= 0:  # NaN too: it would compare as exact decoding
-            raise BlockwiseRequestError(f"--blockwise-distance must be at least 0 (got {distance})")
-        if distance > 0 and (topk != 1 or min_block != 1 or tree):
-            raise BlockwiseRequestError("--blockwise-distance cannot be combined with --blockwise-topk, "
-                                        "--blockwise-min-block or --blockwise-tree")
-        self.distance = distance
-        self.numbers = symbol_numbers(tgt_dict) if distance > 0 else None
+        self.distance = options.distance
+        self.numbers = symbol_numbers(tgt_dict) if options.distance > 0 else None
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
-        self.proposal_vocab = proposal_vocab or getattr(model.decoder, "head_vocab", 0)
+        self.proposal_vocab = options.proposal_vocab or getattr(model.decoder, "head_vocab", 0)
         # The candidates of a block: the chain of top choices, or the best tree of `tree`
         # nodes, ranked among the tokens the heads may propose (padding never).
         heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
-        if tree and tree_rates is not None and len(tree_rates) < heads:  # else the tree silently stops short
-            raise BlockwiseRequestError(
-                f"--blockwise-tree-rates hold rates for heads 2..{len(tree_rates) + 1}, but --block-size "
-                f"{block_size} proposes with heads 2..{block_size}; measure them on this checkpoint "
-                f"(scripts/tree_rates.py) or give --block-size {len(tree_rates) + 1}")
-        rates = [row[:ranks] for row in tree_rates or default_rates(heads)]
-        self.layout = Tree.best(rates, tree, heads) if tree else Tree.chain_of(heads)
+        rates = [row[:ranks] for row in options.tree_rates or default_rates(heads)]
+        self.layout = Tree.best(rates, options.tree, heads) if options.tree else Tree.chain_of(heads)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
-        self.max_len_a, self.max_len_b = max_len_a, max_len_b
-        self.max_len = max_len or model.max_decoder_positions()
-        self.min_len = min_len
-        self.normalize_scores, self.len_penalty = normalize_scores, len_penalty
-        self.unk_penalty, self.temperature = unk_penalty, temperature
-        self.match_source_len = match_source_len
+        self.max_len_a, self.max_len_b = options.max_len_a, options.max_len_b
+        self.max_len = options.max_len or model.max_decoder_positions()
+        self.min_len = options.min_len
+        self.normalize_scores, self.len_penalty = options.normalize_scores, options.len_penalty
+        self.unk_penalty, self.temperature = options.unk_penalty, options.temperature
+        self.match_source_len = options.match_source_len
         self.repeat_ngram_blocker = (
-            NGramRepeatBlock(no_repeat_ngram_size) if no_repeat_ngram_size > 0 else None
+            NGramRepeatBlock(options.no_repeat_ngram_size) if options.no_repeat_ngram_size > 0 else None
         )
-        if temperature <= 0:
-            raise BlockwiseRequestError("--temperature must be greater than 0")
-        # The task passes one for a whole run, and logs it (task.py).
         self.stats = BlockwiseStats() if stats is None else stats
 
     def cuda(self):
@@ -165,8 +148,7 @@ class BlockwiseGenerator(nn.Module):
         return self
 
     def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
-        if prefix_tokens is not None or constraints is not None:
-            raise BlockwiseRequestError("--blockwise: cannot decode with a prefix or constraints")
+        refuse_prefix(prefix_tokens, constraints)
         # inference_mode, not no_grad: no version counters or view tracking on a block's many
         # small tensors (about 10% of decoding time on the 2-core CPU). The hypotheses are
         # copied out of it: fairseq's scripts update some in place, which it forbids.

@@ -35,6 +35,8 @@ class ProposalHeads(nn.Module):
     decoder's). With k=1 and the base layout there is no layer and no parameter.
     """
 
+    independent = True  # each head's distribution reads no other head's proposal
+
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()
         self.__dict__["decoder"] = decoder  # not registered: no second copy in state_dict
@@ -160,6 +162,8 @@ class ChainedHeads(nn.Module):
     zero, so every head starts as the base's next-token head. The embedding table and
     output projection are the decoder's, reached through `decoder` (not registered).
     """
+
+    independent = False  # head i reads head i-1's proposal
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()

@@ -25,7 +25,8 @@ class BlockwiseHubInterface(GeneratorHubInterface):
         return self.sample(sentences, self.default_beam() if beam is None else beam, verbose, **kwargs)
 
     def generate(self, tokenized_sentences, beam=None, *args, **kwargs):
-        # A task option among kwargs (blockwise_tree=8) is refused by the task's
-        # check_generation_options: fairseq would set it on the generation options and forget it.
+        # A task option among kwargs (blockwise_tree=8) is refused when the task builds the
+        # generator (refusals.refuse_task_options_in_generation): fairseq would set it on the
+        # generation options and forget it.
         beam = self.default_beam() if beam is None else beam
         return super().generate(tokenized_sentences, beam, *args, **kwargs)

@@ -14,8 +14,6 @@ import math
 import torch
 from fairseq.search import Sampling
 
-from .errors import BlockwiseRequestError
-from .heads import ProposalHeads
 from .acceptance import commit, confident_width, running_scores
 from .generator import BlockwiseGenerator
 
@@ -73,21 +71,17 @@ def residual(p, q):
 class SpeculativeSampler(BlockwiseGenerator):
     """fairseq's `--sampling --beam 1` distribution, k tokens at a time (see module docstring).
 
-    sampling_topk, sampling_topp: fairseq's --sampling-topk/--sampling-topp (-1: off;
-    top-p wins when both are given, as in fairseq). The heads' q gets the same
+    The options' sampling_topk, sampling_topp: fairseq's --sampling-topk/--sampling-topp
+    (-1: off; top-p wins when both are given, as in fairseq). The heads' q gets the same
     temperature and top-k/top-p. generator: a torch.Generator for the draws (None:
     torch's global one, which fairseq-generate seeds with --seed).
     """
 
-    def __init__(self, *args, sampling_topk=-1, sampling_topp=-1.0, generator=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.topk != 1 or self.min_block != 1 or self.layout.topn != 1 or self.distance:
-            raise BlockwiseRequestError("--sampling: --blockwise-topk, --blockwise-min-block and --blockwise-tree "
-                                        "must keep their defaults, and --blockwise-distance 0 (lossless)")
-        if not isinstance(self.model.decoder.heads, ProposalHeads):
-            raise BlockwiseRequestError("--sampling draws from independent heads' own distributions: "
-                                        "this checkpoint's heads are --head-type chained")
-        self.search = Sampling(self.model.decoder.dictionary, sampling_topk, sampling_topp)
+    implies = {"sampling": True}
+
+    def __init__(self, model, tgt_dict, options=None, stats=None, generator=None, **fields):
+        super().__init__(model, tgt_dict, options, stats, **fields)
+        self.search = Sampling(self.model.decoder.dictionary, self.options.sampling_topk, self.options.sampling_topp)
         self.generator = generator
         self.draft = None  # b x n-1 x V: the q each pending proposal was drawn from (propose)
 
@@ -150,27 +144,3 @@ class SpeculativeSampler(BlockwiseGenerator):
         self.draft = torch.nn.functional.pad(q, (0, vocab - q.size(-1)))  # b x n-1 x V
         return draw(q, self.generator)[..., None]
 
-
-def sampling_problem(args, cfg):
-    """Why `--blockwise` cannot honour the sampling flags in args (fairseq's generation
-    options) with the task's cfg; None if it can."""
-    sampling = getattr(args, "sampling", False)
-    topk, topp = getattr(args, "sampling_topk", -1), getattr(args, "sampling_topp", -1.0)
-    for flag, value, off in (("--sampling-topk", topk, -1), ("--sampling-topp", topp, -1.0)):
-        if value != off and not sampling:
-            return f"{flag} requires --sampling"
-    if not sampling:
-        return None
-    if topp > 1 or topp == 0:
-        return f"--sampling-topp must be in (0, 1] (got {topp})"
-    if getattr(args, "match_source_len", False):  # fairseq: "search parameters are mutually exclusive"
-        return "--match-source-len cannot be combined with --sampling (fairseq refuses the pair too)"
-    for flag, value, default in (("--blockwise-topk", cfg.blockwise_topk, 1),
-                                 ("--blockwise-min-block", cfg.blockwise_min_block, 1),
-                                 ("--blockwise-tree", cfg.blockwise_tree, 0),
-                                 ("--blockwise-distance", cfg.blockwise_distance, 0),
-                                 ("--blockwise-adaptive", cfg.blockwise_adaptive, False)):
-        if value != default:
-            return (f"{flag} must be {default} with --sampling, which draws exactly from fairseq's "
-                    f"distribution (got {value})")
-    return None

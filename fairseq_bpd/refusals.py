@@ -1,0 +1,181 @@
+"""Every request blockwise decoding refuses, each made once, here, naming the flag.
+
+Three moments: fairseq's generation options, when the task builds a generator
+(refuse_generation: what changes fairseq's search or reads what greedy verification
+cannot reproduce); the options alone, when they are built (refuse_options); the
+options against a model and its dictionary, when a generator is built for them
+(refuse_for_model). Every refusal raises BlockwiseRequestError (errors.py).
+"""
+import dataclasses
+import os
+
+from fairseq.dataclass.configs import GenerationConfig
+
+from .acceptance import symbol_numbers
+from .errors import BlockwiseRequestError
+from .heads import shortlist_problem
+from .decoder import BlockwiseDecoder
+from .tree import MAX_TREE
+
+GENERATION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
+
+# GenerationConfig fields whose non-default value blockwise decoding refuses: each
+# changes fairseq's search (or reads what greedy verification cannot reproduce).
+REFUSED = {
+    "prefix_size": "cannot be combined with --prefix-size",
+    "constraints": "cannot be combined with --constraints",
+    "score_reference": "cannot be combined with --score-reference, which decodes nothing; drop --blockwise",
+    "print_alignment": "gives no alignments; drop --print-alignment",
+    "lm_path": "cannot be combined with --lm-path",
+    "diverse_beam_groups": "cannot be combined with --diverse-beam-groups (diverse beam search)",
+    "diversity_rate": "cannot be combined with --diversity-rate: any value but its default -1 "
+                      "switches fairseq to diverse siblings search",
+    "retain_dropout": "cannot be combined with --retain-dropout: with dropout every decoder pass "
+                      "is random, so no output can equal greedy's",
+}
+
+
+def refuse(message):
+    raise BlockwiseRequestError(f"--blockwise: {message}")
+
+
+def refuse_generation(args, models, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None):
+    """Refuse fairseq's generation options (args: a Namespace, perhaps of only some of
+    GenerationConfig's fields) and build_generator's arguments that blockwise decoding
+    cannot honour exactly."""
+
+    def given(name):
+        return getattr(args, name, GENERATION_DEFAULTS[name]) != GENERATION_DEFAULTS[name]
+
+    beam = getattr(args, "beam", 1)  # --eval-bleu-args gives only the JSON's keys
+    if beam != 1:  # any beam given, fairseq's default 5 included
+        decoding = "speculative sampling draws one sample" if getattr(args, "sampling", False) else "decoding is greedy"
+        refuse(f"{decoding}, but --beam {beam} was given; use --beam 1 or drop --blockwise")
+    if getattr(args, "nbest", 1) > 1:
+        refuse("gives one hypothesis; --nbest must be 1")
+    for name in REFUSED:
+        if given(name):
+            refuse(REFUSED[name])
+    if (extra_gen_cls_kwargs or {}).get("lm_model") is not None:  # fairseq-generate's loaded --lm-path
+        refuse(REFUSED["lm_path"])
+    if prefix_allowed_tokens_fn is not None:
+        refuse("cannot be combined with prefix_allowed_tokens_fn")
+    if len(models) != 1:
+        refuse(f"decodes with one model, but {len(models)} were given in --path")
+
+
+def refuse_task_options_in_generation(args, cfg, names):
+    """Refuse a task option (one of `names`) set differently among the generation options
+    (--eval-bleu-args' JSON, the hub's translate() keywords), which fairseq would hand over
+    and forget."""
+    for name in sorted(names):
+        value = getattr(args, name, None)
+        if value is not None and value != getattr(cfg, name, None):
+            raise BlockwiseRequestError(
+                f"{name} is an option of the task, not of generation (--eval-bleu-args, the hub's "
+                f"translate()): give it as --{name.replace('_', '-')}, or to from_pretrained()"
+            )
+
+
+# Acceptance rules that change the distribution of speculative sampling's outputs, or
+# the greedy chain the adaptive width is chosen for: (flag, field, its default).
+RULE_FLAGS = (("--blockwise-topk", "topk", 1), ("--blockwise-min-block", "min_block", 1),
+              ("--blockwise-tree", "tree", 0), ("--blockwise-distance", "distance", 0))
+
+
+def refuse_options(options):
+    """Refuse what BlockwiseOptions mean nothing with, whatever the model (see refuse_for_model)."""
+    refuse_sampling(options)
+    if not options.temperature > 0:
+        refuse(f"--temperature must be greater than 0 (got {options.temperature})")
+    if options.min_block < 1:
+        refuse(f"--blockwise-min-block must be at least 1 (got {options.min_block})")
+    if not 0 <= options.confidence <= 1:
+        refuse(f"--blockwise-confidence must be between 0 and 1 (got {options.confidence})")
+    refuse_distance(options)
+    if options.adaptive:
+        for flag, name, off in RULE_FLAGS[2:]:
+            if getattr(options, name) != off:
+                refuse(f"--blockwise-adaptive chooses the width of a greedy chain; drop {flag}")
+    if not 0 <= options.tree <= MAX_TREE:
+        refuse(f"--blockwise-tree must be between 0 (the chain) and {MAX_TREE} nodes (got {options.tree})")
+    if isinstance(options.tree_rates, (str, os.PathLike)) and not options.tree:
+        refuse("--blockwise-tree-rates shapes a tree; give --blockwise-tree N too")
+
+
+def refuse_sampling(options):
+    """--sampling: speculative sampling draws exactly from fairseq's sampling distribution."""
+    for flag, value, off in (("--sampling-topk", options.sampling_topk, GENERATION_DEFAULTS["sampling_topk"]),
+                             ("--sampling-topp", options.sampling_topp, GENERATION_DEFAULTS["sampling_topp"])):
+        if value != off and not options.sampling:
+            refuse(f"{flag} requires --sampling")
+    if not options.sampling:
+        return
+    topp = options.sampling_topp
+    if topp > 1 or topp == 0:
+        refuse(f"--sampling-topp must be in (0, 1] (got {topp})")
+    if options.match_source_len:  # fairseq: "search parameters are mutually exclusive"
+        refuse("--match-source-len cannot be combined with --sampling (fairseq refuses the pair too)")
+    for flag, name, off in (*RULE_FLAGS, ("--blockwise-adaptive", "adaptive", False)):
+        if getattr(options, name) != off:
+            refuse(f"{flag} must be {off} with --sampling: speculative sampling is lossless, drawing exactly "
+                   f"from fairseq's distribution (got {getattr(options, name)})")
+
+
+def refuse_distance(options):
+    """--blockwise-distance E: a rule of its own, judging proposals by their numbers."""
+    distance = options.distance
+    if distance == 0:
+        return
+    if not distance >= 0:  # NaN too: it would compare as exact decoding
+        refuse(f"--blockwise-distance must be at least 0 (got {distance})")
+    if options.topk != 1 or options.min_block != 1 or options.tree:
+        refuse("--blockwise-distance cannot be combined with another acceptance rule: it replaces the rule; "
+               "drop --blockwise-topk, --blockwise-min-block and --blockwise-tree")
+
+
+def refuse_for_model(options, model, tgt_dict, proposer):
+    """Refuse options that mean nothing for this model, its target dictionary and its proposer."""
+    decoder = model.decoder
+    if not isinstance(decoder, BlockwiseDecoder):
+        refuse("the checkpoint has no proposal heads (it was not trained with "
+               "--arch transformer_blockwise*); train heads on it first, or decode without --blockwise")
+    if decoder.cross_self_attention:
+        refuse("cannot decode a --cross-self-attention model: its layers cache the encoder "
+               "states with the decoder's keys, which a block pass does not reproduce")
+    heads, k = decoder.proposal_heads, options.block_size
+    if k is not None and not 1 <= k <= heads:
+        refuse(f"--block-size must be between 1 and the checkpoint's {heads} heads (got {k})")
+    width = heads if k is None else k
+    vocab_size = len(tgt_dict)
+    if not 1 <= options.topk < vocab_size:
+        refuse(f"--blockwise-topk must be between 1 and {vocab_size - 1}, below the target "
+               f"dictionary's {vocab_size} entries (got {options.topk})")
+    if options.min_block > width:
+        where = f"--block-size {k}" if k is not None else f"the checkpoint's {heads} heads"
+        refuse(f"--blockwise-min-block {options.min_block} is larger than the block: at most the block "
+               f"width in effect, {width} ({where})")
+    problem = shortlist_problem("--blockwise-proposal-vocab", options.proposal_vocab, tgt_dict)
+    if problem:
+        refuse(problem)
+    if options.distance > 0:
+        try:
+            symbol_numbers(tgt_dict)
+        except ValueError as error:
+            refuse(f"--blockwise-distance {options.distance} needs a target dictionary of numbers "
+                   f"(such as pixel intensities), but its {error}")
+    rates = options.tree_rates
+    if options.tree and rates is not None and len(rates) < width - 1:  # else the tree silently stops short
+        refuse(f"--blockwise-tree-rates hold rates for heads 2..{len(rates) + 1}, but --block-size "
+               f"{width} proposes with heads 2..{width}; measure them on this checkpoint "
+               f"(scripts/tree_rates.py) or give --block-size {len(rates) + 1}")
+    if options.sampling and not proposer.independent:
+        refuse("--sampling draws from independent heads' own distributions: this checkpoint's heads "
+               "are --head-type chained")
+
+
+def refuse_prefix(prefix_tokens, constraints):
+    """generate()'s own arguments: a prefix or constraints, which fairseq's search would honour."""
+    if prefix_tokens is not None or constraints is not None:
+        refuse("cannot decode with a prefix or constraints")
+

@@ -1,0 +1,111 @@
+"""BlockwiseOptions: one validated value, its defaults read from the flags' own dataclasses."""
+import dataclasses
+import json
+import logging
+from argparse import Namespace
+
+import pytest
+from fairseq.dataclass.configs import GenerationConfig
+
+from conftest import build
+from test_refusals import generation_args
+
+from fairseq_bpd.adaptive import AdaptiveBlockwiseGenerator
+from fairseq_bpd.errors import BlockwiseRequestError
+from fairseq_bpd.generator import BlockwiseGenerator, BlockwiseStats
+from fairseq_bpd.options import BlockwiseDecodingConfig, BlockwiseOptions
+from fairseq_bpd.sampling import SpeculativeSampler
+from fairseq_bpd.task import TranslationBlockwiseConfig
+
+
+def test_defaults_are_the_flags_own():
+    flags = {f.name: f.default for f in dataclasses.fields(BlockwiseDecodingConfig)}
+    generation = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
+    options = BlockwiseOptions()
+    assert options.block_size is flags["block_size"]
+    for name in ("topk", "min_block", "proposal_vocab", "confidence", "distance", "adaptive", "tree"):
+        assert getattr(options, name) == flags[f"blockwise_{name}"]
+    for name in ("sampling", "sampling_topk", "sampling_topp", "max_len_a", "max_len_b", "min_len",
+                 "temperature", "match_source_len", "no_repeat_ngram_size"):
+        assert getattr(options, name) == generation[name]
+    assert (options.normalize_scores, options.len_penalty, options.unk_penalty) == (
+        not generation["unnormalized"], generation["lenpen"], generation["unkpen"])
+    # The task's config is TranslationConfig plus these flags, defaults and all.
+    assert {f.name for f in dataclasses.fields(TranslationBlockwiseConfig)} >= set(flags)
+
+
+@pytest.mark.parametrize("args", [Namespace(), generation_args(beam=5, max_len_b=200)])
+def test_from_configs_of_defaults_is_the_default(args):
+    """A partial Namespace (--eval-bleu-args' JSON) keeps GenerationConfig's defaults."""
+    assert BlockwiseOptions.from_configs(TranslationBlockwiseConfig(), args) == BlockwiseOptions()
+
+
+def test_from_configs_reads_the_task_and_generation_flags(tmp_path):
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"rates": [[0.9, 0.5], [0.4, 0.1]]}))
+    cfg = TranslationBlockwiseConfig(block_size=3, blockwise_tree=4, blockwise_tree_rates=str(rates),
+                                     blockwise_proposal_vocab=9, blockwise_confidence=0.5)
+    args = Namespace(unnormalized=True, lenpen=0.6, unkpen=-2.0, max_len_b=7, temperature=0.7)
+    options = BlockwiseOptions.from_configs(cfg, args)
+    assert options == BlockwiseOptions(block_size=3, tree=4, tree_rates=((0.9, 0.5), (0.4, 0.1)), proposal_vocab=9,
+                                       confidence=0.5, normalize_scores=False, len_penalty=0.6, unk_penalty=-2.0,
+                                       max_len_b=7, temperature=0.7)
+    assert options.tree_rates == ((0.9, 0.5), (0.4, 0.1))  # the path, loaded
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.topk = 2
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"temperature": 0.0}, "--temperature must be greater than 0"),
+    ({"min_block": 0}, "--blockwise-min-block must be at least 1"),
+    ({"distance": 1.0, "tree": 4}, "--blockwise-distance cannot be combined"),
+    ({"sampling": True, "topk": 2}, "--blockwise-topk must be 1 with --sampling"),
+    ({"sampling_topp": 0.5}, "--sampling-topp requires --sampling"),
+    ({"adaptive": True, "tree": 4}, "--blockwise-adaptive chooses the width of a greedy chain; drop --blockwise-tree"),
+    ({"tree": -1}, "--blockwise-tree must be between 0"),
+    ({"tree_rates": "rates.json"}, "--blockwise-tree-rates shapes a tree"),
+])
+def test_options_refuse_when_built(fields, message):
+    with pytest.raises(BlockwiseRequestError, match=f"^--blockwise: {message}"):
+        BlockwiseOptions(**fields)
+
+
+def test_the_options_build_the_generator_they_ask_for(data_dir):
+    task, model, _ = build(data_dir, "--block-size", "4")
+    d, stats = task.target_dictionary, BlockwiseStats()
+    plain = BlockwiseOptions(block_size=3).generator(model, d, stats)
+    assert type(plain) is BlockwiseGenerator and plain.block_size == 3 and plain.stats is stats
+    assert type(BlockwiseOptions().generator(model, d)).__name__ == "BlockwiseGenerator"
+    assert BlockwiseOptions().generator(model, d).block_size == 4  # None: the checkpoint's k
+    assert isinstance(BlockwiseOptions(adaptive=True).generator(model, d, explore_every=0), AdaptiveBlockwiseGenerator)
+    assert isinstance(BlockwiseOptions(sampling=True).generator(model, d), SpeculativeSampler)
+    # The fields as keywords build the same options; the class decodes only its own kind.
+    assert BlockwiseGenerator(model, d, block_size=3, tree=4).options == BlockwiseOptions(block_size=3, tree=4)
+    with pytest.raises(TypeError, match="options.generator"):
+        BlockwiseGenerator(model, d, BlockwiseOptions(sampling=True))
+
+
+@pytest.mark.parametrize("block_size,where", [(3, "--block-size 3"), (None, "the checkpoint's 4 heads")])
+def test_a_min_block_larger_than_the_block_is_refused_by_name(data_dir, block_size, where):
+    task, model, _ = build(data_dir, "--block-size", "4")
+    width = block_size or 4
+    options = BlockwiseOptions(block_size=block_size, min_block=width)  # the whole block: allowed
+    assert options.generator(model, task.target_dictionary).min_block == width
+    message = f"^--blockwise: --blockwise-min-block {width + 1} is larger than the block: .* {width} \\({where}\\)"
+    with pytest.raises(BlockwiseRequestError, match=message):
+        options.replace(min_block=width + 1).generator(model, task.target_dictionary)
+
+
+def test_blockwise_flags_without_blockwise_are_named_in_one_warning(data_dir, caplog):
+    task, model, _ = build(data_dir, "--block-size", "4", "--blockwise-topk", "2", "--blockwise-tree", "8")
+    with caplog.at_level(logging.WARNING, logger="fairseq_bpd.task"):
+        for _ in range(2):
+            task.build_generator([model], generation_args(beam=1))
+    warnings = [r.getMessage() for r in caplog.records if "without --blockwise" in r.getMessage()]
+    assert warnings == ["--blockwise-topk, --blockwise-tree given without --blockwise: ignored "
+                        "(fairseq's own search decodes)"]
+    task, model, _ = build(data_dir, "--block-size", "4")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fairseq_bpd.task"):
+        task.build_generator([model], generation_args(beam=1))
+    assert not [r for r in caplog.records if "without --blockwise" in r.getMessage()]
