@@ -210,32 +210,6 @@ def test_relaxed_acceptance_takes_no_more_invocations(runs, relaxation):
     assert summary(relaxed).mean >= summary(exact).mean
 
 
-def with_raw(tiny, tmp_path):
-    """The tiny data, with raw/ inside: the speed scripts read references from DATA/raw,
-    as the recipes lay data out."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in os.listdir(tiny.data):
-        (data / name).symlink_to(os.path.join(tiny.data, name))
-    (data / "raw").symlink_to(tiny.raw)
-    return data
-
-
-def test_speed_script_times_every_setting_and_stays_greedy(tiny, tmp_path):
-    data = with_raw(tiny, tmp_path)
-    out = tmp_path / "speed"
-    argv = ["--data", data, "--path", tiny.checkpoint, "--block-sizes", 2, 3, "--confidences", 0, 0.5,
-            "--max-sentences", 6, "--repeats", 1, "--out", out]
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "speed.py"), *map(str, argv)],
-        check=True, capture_output=True, env=ENV, timeout=300,
-    )
-    results = json.loads((tmp_path / "speed.json").read_text())
-    assert [(r["block_size"], r["confidence"]) for r in results] == [(2, 0), (2, 0.5), (3, 0), (3, 0.5)]
-    assert all(r["identical"] == r["sentences"] == 6 for r in results)
-    assert (tmp_path / "speed.md").read_text().count("\n| ") == 1 + 4  # header and a row per setting
-
-
 @pytest.mark.parametrize("name", ["tree 8", "tree 4 batch 1"])
 def test_generate_with_a_tree_equals_greedy(runs, name):
     tree, greedy = generated(runs, name), generated(runs, "greedy 32")
@@ -265,19 +239,3 @@ def test_measured_rates_shape_a_tree_that_is_still_greedy(runs):
     assert all(0 <= p <= 1 for row in rates for p in row) and sum(rates[0]) > 0.5
     assert measured["sentences"] == 20 and f"--blockwise-tree-rates {path}" in printed
     assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(output))
-
-
-def test_adaptive_speed_script_times_greedy_fixed_widths_and_adaptive(tiny, tmp_path):
-    data = with_raw(tiny, tmp_path)
-    argv = ["--data", data, "--path", tiny.checkpoint, "--batch-sizes", 1, 4, "--block-sizes", 2, 3,
-            "--max-sentences", 6, "--repeats", 1, "--out", tmp_path / "adaptive"]
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "speed_adaptive.py"), *map(str, argv)],
-        check=True, capture_output=True, env=ENV, timeout=300,
-    )
-    results = json.loads((tmp_path / "adaptive.json").read_text())
-    decoders = ["greedy", "width 2", "width 3", "adaptive"]
-    assert [(r["batch_size"], r["decoder"]) for r in results] == [(b, d) for b in (1, 4) for d in decoders]
-    assert all(r["identical"] == r["sentences"] == 6 for r in results)
-    assert all(set(map(int, r["widths_chosen"])) <= {1, 2, 3} for r in results if r["decoder"] == "adaptive")
-    assert (tmp_path / "adaptive.md").read_text().count("\n| ") == 1 + 8  # header and a row per run
