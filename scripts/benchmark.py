@@ -13,14 +13,11 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 
 WORK = os.path.join("work", "bench")
 DATA = "data/bible-bin"
@@ -36,7 +33,7 @@ PAPER_TABLE1 = {("distilled", "finetune"): {8: "4.69 (26.11; greedy 26.00)"}}
 PAPER_TOPK = {(10, 2): "5.67"}
 PAPER_SPEEDUP = {8: "3.31x"}
 SHORTLIST = 2000  # --blockwise-proposal-vocab for the second speed column
-B32_BATCHES = 10  # batches of 32 timed at batch size 32
+B32_SENTENCES = 320  # sentences timed at batch size 32
 
 
 def sh(argv, env=None):
@@ -78,10 +75,12 @@ def tokens_by_id(hypos):
 
 def quality(model, task, samples, references, generator):
     """BLEU and output tokens of one decoder over the test set (batch size 32)."""
-    from compare import bleu, decode, detokenized
+    from fairseq_bpd import bench
 
-    hypos, seconds = decode(generator, model, samples)
-    result = {"bleu": bleu(detokenized(task, hypos, "en"), references), "seconds": seconds, "tokens": tokens_by_id(hypos)}
+    hypos, seconds = bench.decode(generator, model, samples)
+    detok = bench.detokenizer(task)
+    lines = {i: detok(h["tokens"]) for i, h in hypos.items()}
+    result = {"bleu": bench.bleu(lines, references), "seconds": seconds, "tokens": tokens_by_id(hypos)}
     stats = getattr(generator, "stats", None)
     if stats is not None:
         result.update(mean_accepted_block=stats.mean_accepted_block(), invocations=stats.invocations,
@@ -91,81 +90,78 @@ def quality(model, task, samples, references, generator):
 
 def profile(model, task, samples, block_size):
     """Where a batch-1 invocation's time goes: decoder pass, head-1 scoring, proposals, the rest."""
-    from compare import decode
     from fairseq.sequence_generator import SequenceGenerator
-    from fairseq_bpd import generator as bpd
-
-    timers = {}
-
-    def timed(owner, name, label):
-        function = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                timers[label] = timers.get(label, 0.0) + time.perf_counter() - start
-        setattr(owner, name, wrapper)
+    from fairseq_bpd import bench
 
     greedy = SequenceGenerator([model], task.target_dictionary, beam_size=1)
-    timed(greedy.model, "forward_decoder", "greedy decoder step")
-    blockwise = bpd.BlockwiseGenerator(model, task.target_dictionary, block_size=block_size)
-    timed(model.decoder, "forward_block", "decoder pass over the block")
-    timed(blockwise, "head1_lprobs", "head-1 projection and log-softmax over the block")
-    timed(blockwise, "propose", "heads 2..k: feed-forward layer and projection (proposals)")
-    timed(model.decoder, "crop_cache", "cache crop")
-    greedy_hypos, greedy_seconds = decode(greedy, model, samples)
-    blockwise_hypos, blockwise_seconds = decode(blockwise, model, samples)
-    for label in list(timers):
-        if label != "greedy decoder step":
-            timers[label] /= blockwise.stats.invocations
+    blockwise = bench.blockwise_generator(model, task.target_dictionary, {"block_size": block_size})
+    timer = bench.MethodProfiler()
+    parts = [(greedy.model, "forward_decoder", "greedy decoder step"),
+             (model.decoder, "forward_block", "decoder pass over the block"),
+             (blockwise, "head1_lprobs", "head-1 projection and log-softmax over the block"),
+             (blockwise, "propose", "heads 2..k: feed-forward layer and projection (proposals)"),
+             (model.decoder, "crop_cache", "cache crop")]
+    with timer.wrapping([part for part in parts if hasattr(part[0], part[1])]):
+        greedy_hypos, greedy_seconds = bench.decode(greedy, model, samples)
+        blockwise_hypos, blockwise_seconds = bench.decode(blockwise, model, samples)
     greedy_steps = sum(len(h["tokens"]) for h in greedy_hypos.values())
-    timers["greedy decoder step"] /= greedy_steps
-    del model.decoder.forward_block, model.decoder.crop_cache  # instance attributes shadowed the methods
+    invocations = blockwise.stats.invocations
     return {
         "sentences": len(samples), "block_size": block_size,
         "greedy_ms_per_step": 1e3 * greedy_seconds / greedy_steps,
-        "blockwise_ms_per_invocation": 1e3 * blockwise_seconds / blockwise.stats.invocations,
-        "parts_ms": {label: 1e3 * seconds for label, seconds in timers.items()},
+        "blockwise_ms_per_invocation": 1e3 * blockwise_seconds / invocations,
+        "parts_ms": {label: 1e3 * seconds / (greedy_steps if label == "greedy decoder step" else invocations)
+                     for label, seconds in timer.seconds.items()},
     }
+
+
+def speed(checkpoint, name, rows, batch_size, sentences, repeats):
+    """scripts/speed.py's rows (greedy and `rows`) by decoder spec, measured once into WORK/NAME.json."""
+    out = os.path.join(WORK, name)
+    if not os.path.exists(out + ".json"):
+        sh([sys.executable, "scripts/speed.py", "--data", DATA, "--path", checkpoint, "--rows", "greedy", *rows,
+            "--batch-sizes", str(batch_size), "--max-sentences", str(sentences), "--repeats", str(repeats),
+            "--out", out])
+    with open(out + ".json") as f:
+        return {r["decoder"]: r for r in json.load(f)["rows"]}
 
 
 def measure(timing_sentences, repeats, test_sentences=None):
     import torch
-    from compare import batches, compare, load, raw_lines
     from fairseq.sequence_generator import SequenceGenerator
-    from fairseq_bpd.generator import BlockwiseGenerator
+    from fairseq_bpd import bench
 
-    references = raw_lines(DATA, "test", "en")
+    references = bench.raw_lines(DATA, "test", "en")
     results = {}
     for targets, mode in MODES:
         name = f"{targets}-{mode}"
         if not os.path.exists(checkpoint(targets, mode)):
             print(f"skipping {name}: not trained", flush=True)
             continue
-        model, task, load_seconds = load(checkpoint(targets, mode), DATA)
-        samples = batches(task, "test", 32, test_sentences)
+        model, task, load_seconds = bench.load(checkpoint(targets, mode), DATA)
+        samples = bench.batches(task, "test", 32, test_sentences)
         dictionary = task.target_dictionary
         results[f"{name}-greedy"] = cached(f"{name}-greedy", lambda: quality(
             model, task, samples, references, SequenceGenerator([model], dictionary, beam_size=1)))
         settings = [(k, 1) for k in BLOCK_SIZES] + (list(TOPKS) if name == "distilled-finetune" else [])
         for k, topk in settings:
             results[f"{name}-k{k}-top{topk}"] = cached(f"{name}-k{k}-top{topk}", lambda: quality(
-                model, task, samples, references, BlockwiseGenerator(model, dictionary, block_size=k, topk=topk)))
+                model, task, samples, references,
+                bench.blockwise_generator(model, dictionary, {"block_size": k, "topk": topk})))
         if name != "distilled-finetune":
             continue
         results["beam4"] = cached("beam4", lambda: quality(
             model, task, samples, references, SequenceGenerator([model], dictionary, beam_size=4)))
         results["load_seconds"] = load_seconds
-        timing = batches(task, "test", 1, timing_sentences)
-        for k in BLOCK_SIZES:
-            results[f"speed-b1-k{k}"] = cached(f"speed-b1-k{k}", lambda: compare(
-                model, task, timing, references, k, repeats=repeats))
-            results[f"speed-b1-k{k}-shortlist"] = cached(f"speed-b1-k{k}-shortlist", lambda: compare(
-                model, task, timing, references, k, repeats=repeats, proposal_vocab=SHORTLIST))
-        results["speed-b32-k8"] = cached("speed-b32-k8", lambda: compare(
-            model, task, samples[:B32_BATCHES], references, 8, repeats=repeats))
+        widths = [f"width:{k}" for k in BLOCK_SIZES]
+        b1 = speed(checkpoint(targets, mode), "speed-b1", widths + [f"{w},proposal_vocab={SHORTLIST}" for w in widths],
+                   1, timing_sentences, repeats)
+        for k, width in zip(BLOCK_SIZES, widths):
+            results[f"speed-b1-k{k}"] = b1[width]
+            results[f"speed-b1-k{k}-shortlist"] = b1[f"{width},proposal_vocab={SHORTLIST}"]
+        results["speed-b32-k8"] = speed(checkpoint(targets, mode), "speed-b32", ["width:8"], 32, B32_SENTENCES,
+                                        repeats)["width:8"]
+        timing = bench.batches(task, "test", 1, timing_sentences)
         results["profile-k8"] = cached("profile-k8", lambda: profile(model, task, timing[:50], 8))
         results["machine"] = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                               "processor": platform.processor() or platform.machine(),
@@ -337,8 +333,8 @@ def report(results, args, path="docs/results.md"):
     rows.append((8, 32, "all types", results.get("speed-b32-k8")))
     for k, batch, kind, r in rows:
         if r:
-            out.append(f"| {k} | {batch} | {kind} | {r['sentences']} | {r['greedy_seconds']:.1f} | "
-                       f"{r['blockwise_seconds']:.1f} | {r['speedup']:.2f}x | "
+            out.append(f"| {k} | {batch} | {kind} | {r['sentences']} | {r['baseline_seconds']:.1f} | "
+                       f"{r['seconds']:.1f} | {r['speedup']:.2f}x | "
                        f"{PAPER_SPEEDUP.get(k, '-') if batch == 1 else '-'} | "
                        f"{r['mean_accepted_block']:.2f} | {r['identical']}/{r['sentences']} |")
     prof = results.get("profile-k8")
@@ -363,8 +359,8 @@ def report(results, args, path="docs/results.md"):
             f"--distill-sentences {args.distill_sentences} "
             f"--timing-sentences {args.timing_sentences} --repeats {args.repeats}",
             "```", "", "which runs `scripts/distill.sh` (beam 4, lenpen 0.6) and `scripts/train_heads.sh` "
-            f"(k={K}, `--head-ffn-dim 128`) for each row, then `scripts/compare.py`'s `compare()` for "
-            "the timings."]
+            f"(k={K}, `--head-ffn-dim 128`) for each row, then `scripts/speed.py` for the timings "
+            "(greedy and every width in one run, in turn, round by round)."]
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
     print("\n".join(out))

@@ -5,8 +5,9 @@ Builds the default corpus (cached after the first run), restores the k=8 checkpo
 that scripts/recipe.sh trained (models/demo/), and prints one table: BLEU of greedy and
 blockwise, mean accepted block size, decoder invocations and the wall-clock speedup at
 batch sizes 1 and 32; then a few test sentences (source, reference, greedy and
-blockwise output) and a plot of accepted block sizes. Decodes on the GPU when torch
-sees one (--cpu: the CPU), and says which device it timed.
+blockwise output) and a plot of accepted block sizes. The numbers are scripts/speed.py's,
+run twice (all sentences at batch 32, --timing-sentences at batch 1). Decodes on the GPU
+when torch sees one (--cpu: the CPU), and says which device it timed.
 """
 import argparse
 import hashlib
@@ -18,6 +19,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 MODEL_DIR = os.path.join(ROOT, "models", "demo")
+# The blockwise rows shown beside greedy: scripts/speed.py's decoder specs, by their label.
+LABELS = {"k": "blockwise"}
+ROWS = list(LABELS)
 
 
 def step(message):
@@ -72,6 +76,17 @@ def plot(histogram, path, k):
     fig.savefig(path, dpi=120)
 
 
+def speed(data, checkpoint, out, batch_size, limit, repeats, examples=0, cpu=False):
+    """scripts/speed.py's rows for greedy and ROWS at one batch size, by decoder."""
+    argv = ["scripts/speed.py", "--data", data, "--path", checkpoint, "--rows", "greedy", *ROWS,
+            "--batch-sizes", str(batch_size), "--repeats", str(repeats), "--examples", str(examples), "--out", out]
+    argv += ["--cpu"] * cpu + (["--max-sentences", str(limit)] if limit is not None else [])
+    subprocess.run([PYTHON, *argv], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    with open(out + ".json") as f:
+        result = json.load(f)
+    return {r["decoder"]: r for r in result["rows"]}, result
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--timing-sentences", type=int, default=200,
@@ -88,50 +103,48 @@ def main():
     build_corpus(data)
     checkpoint = restore_checkpoint(work, manifest, data)
 
-    results = {}
-    for name, batch_size, limit, repeats in (("quality", 32, None, 1),
-                                             ("speed", 1, args.timing_sentences, args.repeats)):
-        step(f"decoding the test set at batch size {batch_size} "
-             f"({'all sentences' if limit is None else f'first {limit} sentences'}, "
-             f"greedy and blockwise alternating, {repeats} run(s) each)")
-        out = os.path.join(work, f"{name}.json")
-        argv = ["scripts/compare.py", "--data", data, "--path", checkpoint, "--batch-size", str(batch_size),
-                "--repeats", str(repeats), "--examples", str(args.examples), "--json", out]
-        if args.cpu:
-            argv.append("--cpu")
-        if limit is not None:
-            argv += ["--max-sentences", str(limit)]
-        subprocess.run([PYTHON, *argv], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        with open(out) as f:
-            results[name] = json.load(f)
+    step("decoding the test set at batch size 32 (all sentences, greedy and blockwise in turn, 1 run each)")
+    quality, run = speed(data, checkpoint, os.path.join(work, "quality"), 32, None, 1, args.examples, args.cpu)
+    step(f"decoding the test set at batch size 1 (first {args.timing_sentences} sentences, "
+         f"greedy and blockwise in turn, {args.repeats} runs each)")
+    timed, _ = speed(data, checkpoint, os.path.join(work, "speed"), 1, args.timing_sentences, args.repeats,
+                     cpu=args.cpu)
 
-    quality, speed = results["quality"], results["speed"]
-    k = quality["block_size"]
+    show(quality, run, timed, args.repeats, work)
+    print(f"demo took {time.time() - start:.0f} s")
+
+
+def show(quality, run, timed, repeats, work):
+    """The demo's table (quality at batch 32, speed at batch 1 and 32), the plot and the examples."""
+    names = ["greedy", *ROWS]
+    first = quality[ROWS[0]]
+    k = first["options"]["block_size"]
     png = os.path.join(work, "accepted_blocks.png")
-    plot(quality["accepted_histogram"], png, k)
-    rows = [
-        ("BLEU (test, sacrebleu)", f"{quality['bleu_greedy']:.2f}", f"{quality['bleu_blockwise']:.2f}"),
-        ("identical to greedy", "", f"{quality['identical']}/{quality['sentences']}"),
-        ("decoder invocations", str(quality["greedy_invocations"]), str(quality["blockwise_invocations"])),
-        ("mean accepted block size", "1", f"{quality['mean_accepted_block']:.2f}"),
-        (f"seconds, batch 1, {speed['sentences']} sentences (median of {args.repeats})",
-         f"{speed['greedy_seconds']:.1f}", f"{speed['blockwise_seconds']:.1f}"),
-        ("speedup at batch 1", "1.00x", f"{speed['speedup']:.2f}x"),
-        ("seconds, batch 32, all sentences", f"{quality['greedy_seconds']:.1f}", f"{quality['blockwise_seconds']:.1f}"),
-        ("speedup at batch 32", "1.00x", f"{quality['speedup']:.2f}x"),
+    plot(first["accepted_histogram"], png, k)
+    lines = [
+        ("BLEU (test, sacrebleu)", [f"{quality[n]['bleu']:.2f}" for n in names]),
+        ("identical to greedy", [""] + [f"{quality[n]['identical']}/{quality[n]['sentences']}" for n in ROWS]),
+        ("decoder invocations", [str(quality[n]["invocations"]) for n in names]),
+        ("mean accepted block size", [f"{quality[n]['mean_accepted_block']:.2f}" for n in names]),
+        (f"seconds, batch 1, {timed['greedy']['sentences']} sentences (median of {repeats})",
+         [f"{timed[n]['seconds']:.1f}" for n in names]),
+        ("speedup at batch 1", [f"{timed[n]['speedup']:.2f}x" for n in names]),
+        ("seconds, batch 32, all sentences", [f"{quality[n]['seconds']:.1f}" for n in names]),
+        ("speedup at batch 32", [f"{quality[n]['speedup']:.2f}x" for n in names]),
     ]
     print()
     print(f"fairseq greedy (--beam 1) vs blockwise parallel decoding, k={k}, exact acceptance")
-    print(f"{'':52s} {'greedy':>10s} {'blockwise':>12s}")
-    for label, greedy, blockwise in rows:
-        print(f"{label:52s} {greedy:>10s} {blockwise:>12s}")
-    print(f"\naccepted block sizes: {quality['accepted_histogram']} (plot: {os.path.relpath(png, ROOT)})")
-    print(f"timed on: {speed['device']}; demo took {time.time() - start:.0f} s")
-    for i, example in enumerate(quality["examples"], 1):
-        same = "identical" if example["greedy"] == example["blockwise"] else "DIFFERENT"
-        print(f"\ntest sentence {i} (greedy and blockwise {same})")
-        for label in ("source", "reference", "greedy", "blockwise"):
-            print(f"  {label:10s} {example[label]}")
+    print(f"{'':52s} " + " ".join(f"{label:>12s}" for label in ["greedy", *map(LABELS.get, ROWS)]))
+    for label, cells in lines:
+        print(f"{label:52s} " + " ".join(f"{cell:>12s}" for cell in cells))
+    print(f"\naccepted block sizes: {first['accepted_histogram']} (plot: {os.path.relpath(png, ROOT)})")
+    print(f"timed on: {run['run']['device']}, commit {run['run']['commit']}")
+    for i, example in enumerate(run["examples"], 1):
+        same = all(example[n] == example["greedy"] for n in ROWS)
+        print(f"\ntest sentence {i} (greedy and blockwise {'identical' if same else 'DIFFERENT'})")
+        for label, key in (("source", "source"), ("reference", "reference"), ("greedy", "greedy"),
+                           *((LABELS[n], n) for n in ROWS)):
+            print(f"  {label:10s} {example[key]}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ rerun does only what is missing; --report rewrites the page from WORK alone.
 
   .venv/bin/python scripts/superres_benchmark.py [--base-updates 875] [--head-updates 300]
 
-Batch-1 timing is scripts/superres_speed.py, for a quiet machine.
+Batch-1 timing is scripts/speed.py (the command is on the page), for a quiet machine.
 """
 import argparse
 import json
@@ -289,11 +289,13 @@ def report(args, results, images, path="docs/superres.md"):
         "timings mean little. On a quiet machine:",
         "",
         "```",
-        "OMP_NUM_THREADS=1 .venv/bin/python scripts/superres_speed.py --images 50 --repeats 3",
+        f".venv/bin/python scripts/speed.py --data {args.data} --path {checkpoint('finetune')} --threads 1 \\",
+        "    --rows greedy width:6 width:6,distance=2 k distance:2 --batch-sizes 1 --max-sentences 50 \\",
+        "    --repeats 3 --out work/sr/speed",
         "```",
         "",
-        "prints greedy's and blockwise decoding's median seconds over the first 50 test images and "
-        "their ratio for the fine-tuned model at k=6 and k=10, E=0 and E=2.",
+        "writes the median seconds of greedy and blockwise decoding over the first 50 test images and "
+        "their ratio for the fine-tuned model at k=6 and k=10, E=0 and E=2 (work/sr/speed.md).",
         "",
         "## Reproduce",
         "",
