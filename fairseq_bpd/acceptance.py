@@ -1,32 +1,47 @@
-"""Verification and acceptance rules of a block, pure functions on tensors.
+"""Verification and acceptance of a block, pure functions on tensors, and the acceptance rules.
 
 verify ranks head 1's outputs as fairseq's greedy ranks them (log-prob + running score,
-summed in float32 in fairseq's order); accept takes each sentence's deepest fully
-verified candidate; a new rule (top-k, distance, ...) is a function beside accept with
-the same shapes; commit turns the accepted path into the sentence's new outputs.
+summed in float32 in fairseq's order): a Verdict. A rule says which proposals pass
+(the rule protocol: `ranks`, how many of head 1's choices it reads, and
+`passes(verdict, block, tree)` -> b x n-1 bool); accepted turns passes into each
+sentence's deepest accepted node and its length, for chains and trees alike; commit
+turns the accepted path into the sentence's new outputs. The rules here are top-k (top-1
+is exact, greedy's own), min-block and distance; speculative sampling's is in
+sampling.py. A new rule is a class with the same two members.
 """
 import math
+from typing import NamedTuple
 
 import torch
 
 
-def verify(lprobs, block, score, topk, tree):
+class Verdict(NamedTuple):
+    """Head 1's verdict on a block (verify): candidates and values b x n x K (head 1's
+    best K tokens after each node, best first, and their running scores), running b x n
+    (the running score before each node's output), proposal_lprobs b x n-1 (each
+    proposal's log-prob after its parent)."""
+
+    candidates: torch.Tensor
+    values: torch.Tensor
+    running: torch.Tensor
+    proposal_lprobs: torch.Tensor
+
+
+def verify(lprobs, block, score, ranks, tree):
     """Head 1's verdict on a block, ranked as fairseq's greedy ranks: log-prob + running score.
 
     lprobs: b x n x V, head 1 after each block token (fairseq's constraints applied);
     block: b x n, the last committed token then the candidates laid out as `tree`
     (a chain: each after the one before); score: b, the float32 running score of the
-    committed prefix.
-    Returns candidates b x n x max(2, topk) (token ids, best first), their ranked
-    values b x n x max(2, topk), the running score before each output b x n, and
-    each candidate's log-prob after its parent b x n-1.
+    committed prefix; ranks: how many of head 1's choices to rank (a rule's `ranks`, at
+    least 2 as fairseq's beam 1 ranks). Returns a Verdict, K = ranks.
     """
     b, n, V = lprobs.shape
     flat = tree.parents[1:] * V + block[:, 1:]  # b x n-1: a candidate in its parent's row
     proposal_lprobs = lprobs.reshape(b, n * V).gather(1, flat)  # b x n-1
     running = running_scores(score, proposal_lprobs, tree)
-    values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=max(2, topk), dim=2)
-    return candidates, values, running, proposal_lprobs
+    values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=ranks, dim=2)
+    return Verdict(candidates, values, running, proposal_lprobs)
 
 
 def running_scores(score, proposal_lprobs, tree):
@@ -45,32 +60,79 @@ def running_scores(score, proposal_lprobs, tree):
     return running
 
 
-def accept(candidates, values, block, proposal_lprobs, limit, topk, min_block, tree):
-    """The deepest candidate each sentence accepts: its node b (0: none) and the outputs kept b.
+class TopK:
+    """A proposal passes when it is among head 1's top `topk` after its parent, with a finite
+    score. TopK(1) is exact decoding: greedy's own choice, the paper's rule."""
 
-    A candidate passes when it is among head 1's top `topk` after its parent (topk 1:
-    exactly greedy) with a finite score; the chain's first min_block - 1 candidates
-    pass unverified unless forbidden (log-prob -inf). A node is accepted when it and
-    all its ancestors pass and its outputs (depth + 1, head 1's choice after it
-    included) fit in `limit` (b); the deepest wins, the first in node order on a tie
-    (possible only under topk > 1 or min_block > 1).
+    def __init__(self, topk=1):
+        self.topk, self.ranks = topk, max(2, topk)
+
+    def passes(self, verdict, block, tree):
+        """b x n-1 bool, from a Verdict on `block` b x n laid out as `tree`."""
+        topk = self.topk
+        if tree.is_chain:  # each proposal's parent is the node before it: slices, no indexing
+            candidates, values = verdict.candidates[:, :-1, :topk], verdict.values[:, :-1, :topk]
+        else:
+            parents = tree.parents[1:]
+            candidates, values = verdict.candidates[:, parents, :topk], verdict.values[:, parents, :topk]
+        return ((candidates == block[:, 1:, None]) & (values > -math.inf)).any(dim=2)
+
+
+class MinBlock:
+    """`rule`, except that the chain's first min_block - 1 proposals pass unverified unless
+    forbidden (log-prob -inf): fewer invocations for some loss of quality."""
+
+    def __init__(self, rule, min_block):
+        self.rule, self.min_block, self.ranks = rule, min_block, rule.ranks
+
+    def passes(self, verdict, block, tree):
+        forced = tree.chain[1:] & (tree.depth[1:] < self.min_block)  # n-1
+        return self.rule.passes(verdict, block, tree) | (forced & (verdict.proposal_lprobs > -math.inf))
+
+
+class WithinDistance:
+    """The paper's approximate acceptance for ordinal outputs (section 7.2), --blockwise-distance
+    E: a proposal passes when its number (numbers: V, from symbol_numbers) differs from head
+    1's choice after the tokens before it by at most E, with a finite log-prob. A chain's rule."""
+
+    ranks = 2
+
+    def __init__(self, numbers, distance):
+        self.numbers, self.distance = numbers, distance
+
+    def passes(self, verdict, block, tree):
+        proposals, choices = block[:, 1:], verdict.candidates[:, :-1, 0]  # b x n-1
+        numbers = self.numbers.to(block.device)
+        proposed, chosen = numbers[proposals], numbers[choices]
+        near = (proposed - chosen).abs() <= self.distance + rounding_slack(proposed, chosen, self.distance)  # NaN: False
+        return ((proposals == choices) | near) & (verdict.proposal_lprobs > -math.inf)
+
+
+def rule_for(options, tgt_dict):
+    """The acceptance rule BlockwiseOptions ask for (refusals.py refused what combines none)."""
+    if options.distance > 0:
+        return WithinDistance(symbol_numbers(tgt_dict), options.distance)
+    rule = TopK(options.topk)
+    return MinBlock(rule, options.min_block) if options.min_block > 1 else rule
+
+
+def accepted(passes, limit, tree):
+    """The deepest node each sentence accepts, from which proposals pass: node b (0: none) and
+    the outputs kept b (its depth + 1, head 1's choice after it included).
+
+    passes: b x n-1; limit: b, the most outputs each sentence may add. A node is accepted
+    when it and all its ancestors pass and its outputs fit in `limit`; the deepest wins,
+    the first in node order on a tie (possible only when a rule passes more than greedy's
+    own choice: top-k, min-block, distance).
     """
-    if tree.is_chain:  # each candidate's parent is the node before it: slices, no indexing
-        candidates, values = candidates[:, :-1, :topk], values[:, :-1, :topk]
-    else:
-        candidates, values = candidates[:, tree.parents[1:], :topk], values[:, tree.parents[1:], :topk]
-    passes = ((candidates == block[:, 1:, None]) & (values > -math.inf)).any(dim=2)  # b x n-1
-    if min_block > 1:
-        forced = tree.chain[1:] & (tree.depth[1:] < min_block)
-        passes = passes | (forced & (proposal_lprobs > -math.inf))
     if tree.is_chain:  # node j is at depth j: the longest passing run, within the limit
         kept = torch.minimum(1 + passes.long().cumprod(dim=1).sum(dim=1), limit)
         return kept - 1, kept
     # A node is reached when no node on its path (tree.ancestors) fails: b x n.
     fails = torch.cat([passes.new_zeros(passes.size(0), 1), ~passes], dim=1)
     reached = ~(fails[:, None, :] & tree.ancestors).any(dim=2) & (tree.depth < limit[:, None])
-    n = block.size(1)
-    order = tree.depth * n - torch.arange(n, device=block.device)  # deeper first, then earlier
+    n = tree.size
+    order = tree.depth * n - torch.arange(n, device=passes.device)  # deeper first, then earlier
     node = torch.where(reached, order, -n).argmax(dim=1)
     return node, tree.depth[node] + 1
 
@@ -112,22 +174,6 @@ def rounding_slack(a, b, distance):
     (Where an ulp nears E, numbers past about 1e15 * E, float64 cannot tell E apart at all.)
     """
     return 4 * torch.finfo(torch.float64).eps * torch.maximum(a.abs(), b.abs()).clamp(min=distance)
-
-
-def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, distance):
-    """How many block tokens each sentence keeps under --blockwise-distance E: b, in [1, limit].
-
-    The paper's approximate acceptance for ordinal outputs (section 7.2): proposal j
-    passes when its number (numbers: V, from symbol_numbers) differs from head 1's choice
-    after the tokens before it by at most E, with a finite log-prob. Shapes as accept.
-    """
-    proposals, choices = block[:, 1:], candidates[:, :-1, 0]  # b x n-1
-    numbers = numbers.to(block.device)
-    proposed, chosen = numbers[proposals], numbers[choices]
-    near = (proposed - chosen).abs() <= distance + rounding_slack(proposed, chosen, distance)  # NaN: False
-    passes = ((proposals == choices) | near) & (proposal_lprobs > -math.inf)
-    run = passes.long().cumprod(dim=1).sum(dim=1)
-    return torch.minimum(1 + run, limit)
 
 
 def confident_width(best, log_confidence):

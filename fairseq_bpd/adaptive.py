@@ -3,14 +3,16 @@
 A block of width w (the last committed token and w-1 proposals) is worth, per sentence,
 1 + r1 + r1·r2 + ... + r1···r(w-1) tokens, r_j the rate at which proposal j passes
 given that proposals 1..j-1 did (this run's counts). It costs one invocation, whose
-time the generator measures on itself and fits by batch size and width (InvocationCost).
+time the policy measures on the generator and fits by batch size and width (InvocationCost).
 Width 1 runs no proposal heads (the generator's lean path), so when the heads stop
 paying the generator decodes at greedy's speed; the output is greedy's either way.
+AdaptiveWidth is the generator's width policy (generator.py's FixedWidth is the other).
 """
 import time
 from collections import Counter
 
 import numpy as np
+import torch
 
 from .generator import BlockwiseGenerator
 
@@ -26,8 +28,7 @@ def expected_tokens(rates):
 # A wider block is chosen only when it promises more than NARROWER_SLACK more tokens per
 # second than a narrower one. Its timings miss a cost it leaves to the blocks after it: at
 # batch > 1 its rejected entries stay in the cache as masked holes, which every later
-# block attends over. Batch 8 on the 2-core CPU: width 1 ran 1.50x greedy, width 2 1.38x,
-# while adaptive, timing 2 and 3 within 5% of 1, chose them for 1.27x.
+# block attends over, so a width timed as barely faster is often slower in all.
 NARROWER_SLACK = 0.05
 
 
@@ -75,17 +76,17 @@ class InvocationCost:
     Old timings fade by `forgetting` per timing: the fit follows the machine's load,
     and a width not timed for a long while fades to a cost of 0 (the ridge's pull),
     which makes choose_width try it again. The fit is linear in the block's rows, the
-    cost is not quite (batch 1 on the 2-core CPU: 3.0 ms at width 3, 3.4 at 5, 4.3 at
-    8, where the line says 3.6): each timed width keeps a running ratio of its timings
-    to the fit, within CORRECTION (an untimed width keeps 1, the line).
+    cost is not quite (a block's fixed work and its rows' share the same matrix products,
+    whose speed varies with their shape): each timed width keeps a running ratio of its
+    timings to the fit, within CORRECTION (an untimed width keeps 1, the line).
     """
 
     CORRECTION = (0.8, 1.25)  # a timing moves its width's ratio by at most this factor...
     CORRECTION_FADE = 0.95  # ...and by 5% of it: one preempted invocation hardly shows
     # Where a width was timed at this very batch size within the last MEASURED_FOR timings,
-    # the median of its last MEASURED_LAST timings there stands instead of the fit: the
-    # line misjudges mid batch sizes (batch 8 on the 2-core CPU: width 2 predicted 1.37x
-    # width 1's cost, timed 1.6x, so adaptive chose it at 1.31x greedy where width 1 ran 1.48x).
+    # the median of its last MEASURED_LAST timings there stands instead of the fit: one line
+    # through all batch sizes misjudges the middle ones, enough to choose a width that is
+    # slower than its neighbour there.
     MEASURED_LAST, MEASURED_FOR = 5, 256
 
     def __init__(self, forgetting=0.98, ridge=1e-9):
@@ -106,7 +107,8 @@ class InvocationCost:
         preempted invocation would otherwise teach the fit a cost many times the real
         one. A lasting slow-down under 2x comes through whole, a larger one by steps.
         Kept until the fit is next read (refit), or 16 have come: in the decoding loop
-        each small numpy call costs tens of microseconds (caches the model evicts).
+        each small numpy call is slow beside the tensor work it sits between (the model
+        evicts its caches), so the fit is solved in batches.
         """
         self.pending.append((width, batch_size, seconds))
         self.timings += 1
@@ -208,22 +210,21 @@ class AcceptanceRates:
 
 # The width is chosen again every DECIDE_EVERY blocks, or when the batch size changes;
 # in between the last choice holds. Choosing (the fit, the rates, the prediction) is some
-# 25 small numpy calls, about 0.2 ms inside the decoding loop on the 2-core CPU: 7% of a
-# batch-1 block if made every block. Every block is timed.
+# 25 small numpy calls, a noticeable share of a small block if made every block. Every
+# block is timed.
 DECIDE_EVERY = 8
 
 # Every EXPLORE_EVERY-th block takes another width: the one below the chosen width, the
 # one above, then width 1, in turn. Timings of a single width cannot tell the fit's
-# per-row cost from its intercept; without them it drifted to flat costs and the widest
-# block (batch 1 on the 2-core CPU: width 8 at 1.30x greedy where 3 ran 1.53x). Width 1
-# (no heads) is the fallback whose cost must stay known: from width 3 its neighbours
-# never reach it, and batch 8 sat at width 3 (1.11x greedy) where width 1 ran 1.28x.
+# per-row cost from its intercept; without them the fit drifts to flat costs and the
+# widest block. Width 1 (no heads) is the fallback whose cost must stay known: from
+# width 3 its neighbours never reach it.
 EXPLORE_EVERY = 8
 
 # While explorations find the choice as it was at the last one, each next one comes twice
 # as late, up to every EXPLORE_AT_MOST blocks; a changed choice brings them back to every
-# EXPLORE_EVERY. Batch 1 on the 2-core CPU settles on width 3, and exploring every 8th
-# block (width 1 or 2 there: about 20% fewer tokens a second) cost it about 2%.
+# EXPLORE_EVERY. An exploration decodes a block at a width judged worse, so a settled
+# choice explores rarely.
 EXPLORE_AT_MOST = 64
 
 
@@ -238,21 +239,19 @@ def neighbour(width, widest, turn):
     return min(max(width + step, 1), widest)
 
 
-class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
-    """BlockwiseGenerator whose every block width is chosen by choose_width (--blockwise-adaptive).
+class AdaptiveWidth:
+    """The width policy of --blockwise-adaptive: every block's width chosen by choose_width.
 
-    `cost`: anything with InvocationCost's update/predict (tests pass fixed costs);
-    `clock`: seconds, time.perf_counter by default; `explore_every`: every how many
+    block_size: the widest block; stats: the generator's BlockwiseStats (widths chosen are
+    counted there). `cost`: anything with InvocationCost's update/predict (tests pass fixed
+    costs); `clock`: seconds, time.perf_counter by default; `explore_every`: every how many
     blocks a neighbouring width is timed (0: never), at first and whenever the choice
-    changes (EXPLORE_AT_MOST). The rates and costs persist
-    across the batches of a run.
+    changes (EXPLORE_AT_MOST). The rates and costs persist across the batches of a run.
     """
 
-    implies = {"adaptive": True}
-
-    def __init__(self, *args, cost=None, clock=time.perf_counter, explore_every=EXPLORE_EVERY, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rates = AcceptanceRates(self.block_size - 1)
+    def __init__(self, block_size, stats, cost=None, clock=time.perf_counter, explore_every=EXPLORE_EVERY):
+        self.block_size, self.stats = block_size, stats
+        self.rates = AcceptanceRates(block_size - 1)
         self.cost = InvocationCost() if cost is None else cost
         self.clock = clock
         self.explore_every = explore_every
@@ -261,24 +260,24 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
         self.explore_gap = explore_every  # blocks from one exploration to the next
         self.explored_from = None  # the width chosen when the last exploration came
         self.choice = None  # (batch size, width) last chosen
-        self.widths = np.arange(1, self.block_size + 1)
+        self.widths = np.arange(1, block_size + 1)
         self.timing = None  # (width, batch size, start) of the block under way
 
-    def _generate(self, sample, bos_token=None):
+    def start(self):
         self.timing = None  # the last batch's final block was never timed to its end
-        return super()._generate(sample, bos_token)
 
-    def accepted_block(self, width, kept, limit):
+    def observe(self, width, kept, added, limit):
+        """A block of `width` ran (--blockwise-confidence may have cut it: time what ran) and
+        kept `kept` (b) of at most `limit` tokens, `added` of them before any EOS."""
+        if self.timing is not None:
+            self.timing = (width, *self.timing[1:])
         if width > 1:
-            self.rates.update(width, kept, limit)
+            # A sentence that ended in the block tried its proposals up to its EOS and no
+            # further: counted as a block that could hold its EOS and one output after it.
+            ended = added + 1
+            self.rates.update(width, torch.minimum(kept, ended), torch.minimum(limit, ended))
 
-    def propose(self, features, sentence, tokens, length):
-        proposals = super().propose(features, sentence, tokens, length)
-        if self.timing is not None:  # --blockwise-confidence may have cut the block: time what runs
-            self.timing = (proposals.size(1) + 1, *self.timing[1:])
-        return proposals
-
-    def block_width(self, batch_size):
+    def width(self, batch_size):
         """Time the block that ends here, then choose the next block's width."""
         now = self.clock()
         if self.timing is not None:
@@ -304,3 +303,14 @@ class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
         # blocks that explore) is no cost of the width chosen.
         self.timing = (width, batch_size, self.clock())
         return width
+
+
+class AdaptiveBlockwiseGenerator(BlockwiseGenerator):
+    """BlockwiseGenerator under --blockwise-adaptive: its width policy is an AdaptiveWidth,
+    given `cost`, `clock` and `explore_every` (see AdaptiveWidth)."""
+
+    implies = {"adaptive": True}
+
+    def __init__(self, *args, cost=None, clock=time.perf_counter, explore_every=EXPLORE_EVERY, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policy = AdaptiveWidth(self.block_size, self.stats, cost, clock, explore_every)

@@ -8,8 +8,11 @@ from the cache, and the heads at the last accepted position propose the next blo
 Under --blockwise-tree the block is a tree of candidates (tree.py) rather than a chain:
 the same steps, with an ancestor mask, positions by depth and the deepest verified path.
 One invocation: forward_block -> verify -> accept -> commit -> crop -> retire -> propose.
-A block of one token (the first pass, and width 1 under --blockwise-adaptive, adaptive.py)
-has nothing to verify or crop: greedy_step, at the cost of fairseq's own greedy step.
+The loop asks three objects and never which kind each is: its acceptance rule which
+proposals pass (acceptance.py), its proposer for the next block (heads.py's protocol),
+its width policy how wide that block is (FixedWidth, or adaptive.py's AdaptiveWidth).
+A block of one token (the first pass, and width 1 under --blockwise-adaptive) has
+nothing to verify or crop: greedy_step, at the cost of fairseq's own greedy step.
 """
 import logging
 import math
@@ -19,9 +22,7 @@ import torch
 from torch import nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
-from .acceptance import (
-    accept, accept_within_distance, along, commit, confident_width, greedy_step, symbol_numbers, verify,
-)
+from .acceptance import accepted, along, commit, confident_width, greedy_step, rule_for, verify
 from .options import BlockwiseOptions
 from .refusals import refuse_for_model, refuse_prefix
 from .tree import Tree, default_rates
@@ -66,7 +67,8 @@ class Batch:
     """The sentences still decoding and what each has so far; finished ones leave.
 
     sentence: b, ids in the input batch; tokens: b x L, BOS then the output; scores:
-    b x L, the running score after each output; attn: b x S x L or None; length: b,
+    b x L, the running score after each output (float32, as fairseq keeps it, whatever
+    torch's default dtype); attn: b x S x L or None; length: b,
     outputs so far; cached: b, decoder inputs in the cache; invocations: b.
     """
 
@@ -100,10 +102,11 @@ class BlockwiseGenerator(nn.Module):
     # adaptive); BlockwiseOptions.generator() picks the class that decodes them.
     implies = {}
 
-    def __init__(self, model, tgt_dict, options=None, stats=None, **fields):
+    def __init__(self, model, tgt_dict, options=None, stats=None, proposer=None, **fields):
         """options: a BlockwiseOptions, checked here against the model and dictionary
         (refusals.refuse_for_model); or, for callers that build none, its fields as keywords.
-        stats: a BlockwiseStats to count into (the task passes one for a whole run, and logs it)."""
+        stats: a BlockwiseStats to count into (the task passes one for a whole run, and logs
+        it). proposer: what proposes the blocks (heads.py's protocol; None: the checkpoint's heads)."""
         super().__init__()
         if options is None:
             options = BlockwiseOptions(**{**fields, **self.implies})
@@ -116,13 +119,13 @@ class BlockwiseGenerator(nn.Module):
             raise TypeError(f"{type(self).__name__} does not decode these options (sampling or adaptive): "
                             f"build the generator with options.generator(model, tgt_dict)")
         self.model, self.options = model, options
-        refuse_for_model(options, model, tgt_dict, model.decoder.heads)
+        # A plain attribute, not a submodule: the heads are the model's, and the loop reads
+        # it every invocation (a submodule is found through nn.Module's __getattr__).
+        self.__dict__["proposer"] = model.decoder.heads if proposer is None else proposer
+        refuse_for_model(options, model, tgt_dict, self.proposer)
         self.block_size = block_size = options.block_size or model.decoder.proposal_heads
-        self.topk, self.min_block = options.topk, options.min_block
+        self.rule = rule_for(options, tgt_dict)
         self.log_confidence = math.log(options.confidence) if options.confidence > 0 else -math.inf
-        # --blockwise-distance: 0 is exact; otherwise proposals are judged by their numbers.
-        self.distance = options.distance
-        self.numbers = symbol_numbers(tgt_dict) if options.distance > 0 else None
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = options.proposal_vocab or getattr(model.decoder, "head_vocab", 0)
         # The candidates of a block: the chain of top choices, or the best tree of `tree`
@@ -130,6 +133,7 @@ class BlockwiseGenerator(nn.Module):
         heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
         rates = [row[:ranks] for row in options.tree_rates or default_rates(heads)]
         self.layout = Tree.best(rates, options.tree, heads) if options.tree else Tree.chain_of(heads)
+        self.policy = FixedWidth(self.layout.max_depth + 1)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
         self.max_len_a, self.max_len_b = options.max_len_a, options.max_len_b
@@ -150,8 +154,8 @@ class BlockwiseGenerator(nn.Module):
     def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
         refuse_prefix(prefix_tokens, constraints)
         # inference_mode, not no_grad: no version counters or view tracking on a block's many
-        # small tensors (about 10% of decoding time on the 2-core CPU). The hypotheses are
-        # copied out of it: fairseq's scripts update some in place, which it forbids.
+        # small tensors, which a loop of small operations feels. The hypotheses are copied
+        # out of it: fairseq's scripts update some in place, which it forbids.
         with torch.inference_mode():
             finalized = self._generate(sample, bos_token)
         return [[{key: value.clone() if torch.is_tensor(value) else value for key, value in hypo.items()}
@@ -166,8 +170,10 @@ class BlockwiseGenerator(nn.Module):
         batch = self.start(src_tokens, max_len, bos_token)
         layout = self.layout.to(src_tokens.device)
         proposals = src_tokens.new_empty(batch.length.size(0), 0, layout.topn)  # b x heads x ranks
+        token = batch.tokens[:, :1]  # b x 1: the last committed token (BOS)
         incremental_state = {}
         finalized = [[] for _ in range(src_tokens.size(0))]
+        self.policy.start()
 
         first_pass = True  # on BOS alone: it verifies nothing, so it is no accepted block
         while True:
@@ -177,7 +183,7 @@ class BlockwiseGenerator(nn.Module):
                 nodes = proposals[:, :, 0]
             else:
                 nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]
-            block = torch.cat([batch.tokens.gather(1, batch.length[:, None]), nodes], dim=1)  # b x n
+            block = torch.cat([token, nodes], dim=1)  # b x n
             n = block.size(1)
             steps = batch.length[:, None] + tree.depth  # b x n: the step each output predicts
             features, block_attn = decoder.forward_block(
@@ -186,14 +192,13 @@ class BlockwiseGenerator(nn.Module):
             batch.invocations += 1
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree, src_lengths[batch.sentence])
 
-            # 2.-4. Verify the candidates with head 1, accept the deepest agreeing path, commit it.
+            # 2.-4. Verify the candidates with head 1, accept the deepest passing path, commit it.
             limit = max_len + 1 - batch.length  # no output past step max_len
             node, kept, outputs, output_scores, added, finished = self.verify_block(
                 lprobs, block, self.score(batch), limit, tree
             )
             path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
-            if n > 1:  # a finished sentence's proposals past its EOS were no tries: it ends there
-                self.accepted_block(n, added, torch.where(finished, added, limit))
+            self.policy.observe(n, kept, added, limit)
             if not first_pass or self.block_size == 1:
                 self.stats.accepted.update(added.tolist())
             first_pass = False
@@ -201,8 +206,9 @@ class BlockwiseGenerator(nn.Module):
                 block_attn = along(path, block_attn)[0]
             batch.store(outputs, output_scores, added, block_attn, self.pad)
 
-            # 5. Crop all but the accepted path out of the cache.
+            # 5. Crop all but the accepted path out of the cache (and out of the proposer's state).
             batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
+            self.proposer.crop(path, kept)
             last = along(node[:, None], features)[0][:, 0]  # b x C
 
             # 6. Finished sentences leave the batch.
@@ -215,9 +221,11 @@ class BlockwiseGenerator(nn.Module):
                 last = last[active]
                 decoder.reorder_incremental_state_scripting(incremental_state, active)
                 encoder_out = model.encoder.reorder_encoder_out(encoder_out, active)
+                self.proposer.reorder(active)
 
-            # 7. The heads at the last accepted position propose the next block.
-            proposals = self.propose(last, batch.sentence, batch.tokens, batch.length)
+            # 7. The proposer at the last accepted position proposes the next block.
+            token = batch.tokens.gather(1, batch.length[:, None])  # b x 1: head 1's choice after `last`
+            proposals = self.next_proposals(last, token[:, 0], encoder_out, batch)
 
     def verify_block(self, lprobs, block, score, limit, tree):
         """Steps 2-4 on head 1's lprobs b x n x V over `block` b x n laid out as `tree`.
@@ -229,14 +237,11 @@ class BlockwiseGenerator(nn.Module):
         if block.size(1) == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
             outputs, output_scores, added, finished = greedy_step(lprobs, score, self.eos)
             return torch.zeros_like(added), added, outputs, output_scores, added, finished
-        # 2. Verify the candidates with head 1, 3. accept the deepest agreeing path.
-        candidates, values, running, proposal_lprobs = verify(lprobs, block, score, self.topk, tree)
-        if self.distance > 0:  # a chain (tree refused): node j lies at depth j
-            kept = accept_within_distance(candidates, block, proposal_lprobs, limit, self.numbers, self.distance)
-            node = kept - 1
-        else:
-            node, kept = accept(candidates, values, block, proposal_lprobs, limit, self.topk, self.min_block, tree)
+        # 2. Verify the candidates with head 1, 3. accept the deepest path whose proposals pass.
+        verdict = verify(lprobs, block, score, self.rule.ranks, tree)
+        node, kept = accepted(self.rule.passes(verdict, block, tree), limit, tree)
         # 4. Commit the path and head 1's choice after it (a chain's path is the block itself).
+        candidates, values, running, _ = verdict
         along_path = (lambda *t: t) if tree.is_chain else (lambda *t: along(tree.paths[node], *t))
         return (node, kept, *commit(*along_path(block, candidates, values, running), kept, self.eos))
 
@@ -258,7 +263,7 @@ class BlockwiseGenerator(nn.Module):
         length = torch.zeros(bsz, dtype=torch.long, device=device)
         return Batch(
             sentence=torch.arange(bsz, device=device), tokens=tokens,
-            scores=torch.zeros(bsz, width, device=device), attn=None, length=length,
+            scores=torch.zeros(bsz, width, dtype=torch.float32, device=device), attn=None, length=length,
             cached=torch.zeros_like(length), invocations=torch.zeros_like(length),
         )
 
@@ -288,7 +293,7 @@ class BlockwiseGenerator(nn.Module):
             logits.div_(self.temperature)
         lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
         # fairseq turns NaN log-probs into -inf. A finite sum (one vectorised reduction) says
-        # there are none, 4x cheaper than the fix, which then runs only where one may be.
+        # there are none, far cheaper than the fix, which then runs only where one may be.
         if not bool(torch.isfinite(lprobs.sum())):
             torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         lprobs[..., self.pad] = -math.inf
@@ -320,29 +325,20 @@ class BlockwiseGenerator(nn.Module):
                 prefix[0, start + 1 : start + 1 + depth] = block[row, tree.paths[j, 1 : depth + 1]]
                 lprobs[row, j] = self.repeat_ngram_blocker(prefix, lprobs[row, j : j + 1], 1, 1, start + depth)[0]
 
-    def block_width(self, batch_size):
-        """The next block's depth, its first token included (--blockwise-adaptive chooses it)."""
-        return self.layout.max_depth + 1
+    def next_proposals(self, features, token, encoder_out, batch):
+        """Step 7: the proposer's next block after the last accepted position: tokens b x w x topn.
 
-    def accepted_block(self, width, kept, limit):
-        """Hook: a block of `width` kept `kept` (b) tokens where `limit` (b) were allowed
-        (a sentence that ended in it: its tokens up to the EOS, all allowed)."""
-
-    def propose(self, features, sentence, tokens, length):
-        """Heads 2..k at the last accepted position: features b x C -> tokens b x w x topn.
-
-        Each head's `topn` best tokens, best first, topn being what the block's tree
-        uses (1 for the chain). w is block_width() - 1, or less under
-        --blockwise-confidence (confident_width), since every block position costs
-        decoder and projection work whether or not it is accepted. The heads need only
-        `features`, and chained heads the last committed token (head 1's choice after
-        `features`); the batch's sentence ids, tokens (b x L) and lengths (b) are there
-        for proposal models that read the prefix (the tests' oracles).
+        features: b x C, the decoder output there; token: b, head 1's choice after it (the
+        next block's first token). Each proposal's `topn` best tokens, best first, topn
+        being what the block's tree uses (1 for the chain). w is the width policy's width
+        - 1, or less under --blockwise-confidence (confident_width), since every block
+        position costs decoder and projection work whether or not it is accepted. `batch`
+        (its sentence ids, tokens b x L and lengths b) is there for proposals that read
+        the prefix (the tests' oracles).
         """
-        heads = self.model.decoder.heads
-        width = self.block_width(features.size(0))
-        first = tokens.gather(1, length[:, None])[:, 0]  # b: head 1's choice after `features`
-        proposals, lprobs = heads.propose(features, width, self.proposal_vocab, self.layout.topn, token=first)
+        width = self.policy.width(features.size(0))
+        proposals, lprobs = self.proposer.propose(features, token, width, self.proposal_vocab, self.layout.topn,
+                                                  encoder_out)
         if self.log_confidence == -math.inf:
             return proposals
         return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]
@@ -367,3 +363,26 @@ class BlockwiseGenerator(nn.Module):
             "positional_scores": positional_scores,
             "steps": invocations,
         }
+
+
+class FixedWidth:
+    """The width policy of a fixed block: its layout's depth + 1, whatever is accepted.
+
+    The width policy protocol (adaptive.py's AdaptiveWidth is the other): start() as a
+    batch begins; width(batch_size), the next block's width, its first token included;
+    observe(width, kept, added, limit) after each block of `width`, where each sentence
+    (b) kept `kept` tokens, added `added` of them to its output (fewer where its EOS came
+    first) and could have added `limit`.
+    """
+
+    def __init__(self, width):
+        self.fixed = width
+
+    def start(self):
+        pass
+
+    def width(self, batch_size):
+        return self.fixed
+
+    def observe(self, width, kept, added, limit):
+        pass

@@ -4,8 +4,9 @@ Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
 Models", NeurIPS 2018, section 6: one feed-forward layer (hidden k*d_ffn, output
 k*d_model) after the decoder; slice i plus a residual from the decoder output is
 projected by the decoder's own output projection and predicts the token i steps ahead.
-A new head architecture is a sibling class here with the same `propose()`:
-ChainedHeads (--head-type chained) tells each head the token the head before it predicts.
+Every proposer follows one protocol (Proposer): the generator hands it what it needs and
+never asks which kind it has. A new head architecture is a sibling class here: ChainedHeads
+(--head-type chained) tells each head the token the head before it predicts.
 """
 import math
 
@@ -17,6 +18,40 @@ from .targets import shift_target
 from .errors import BlockwiseRequestError
 
 
+class Proposer:
+    """The proposer protocol: what proposes a block's tokens after the last accepted position.
+
+    After each block the generator hands the proposer the accepted path's last features
+    (b x C, the decoder output at its last node), the last committed token (b: head 1's
+    choice after those features, the next block's first token), the block's width (that
+    token and width - 1 proposals), the proposal vocabulary (the dictionary's first N
+    entries; 0: all of it), topn (the ranks a tree uses) and the encoder output, for a
+    proposer that attends to it. A proposer that keeps state across blocks (a draft
+    model's own cache) keeps it in step through crop and reorder; today's heads keep none.
+    """
+
+    # Whether each proposal's distribution is known without the proposals before it, so
+    # that logits() gives them all at once (speculative sampling draws from them).
+    independent = True
+
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+        """The best `topn` tokens of each of the block's width - 1 proposals, best first, and
+        their log-probs over the proposal vocabulary: both b x width-1 x topn."""
+        raise NotImplementedError
+
+    def logits(self, features, token, width, vocab=0, encoder_out=None):
+        """Each proposal's logits over the proposal vocabulary (N entries; padding -inf):
+        b x width-1 x N. Only for an independent proposer."""
+        raise NotImplementedError(f"{type(self).__name__} gives no distribution of every proposal at once")
+
+    def crop(self, path, kept):
+        """The block's nodes along `path` (b x D+1) were accepted, the first `kept` (b) of them
+        stay: keep only those in any state (the decoder's cache is cropped the same way)."""
+
+    def reorder(self, rows):
+        """Only the sentences at `rows` (b') stay in the batch, in that order: reorder any state."""
+
+
 def shortlist_problem(flag, vocab, dictionary):
     """Why `vocab` (given as `flag`) is no shortlist of `dictionary`'s first entries; None if it is."""
     if vocab == 0 or dictionary.nspecial < vocab <= len(dictionary):
@@ -25,7 +60,7 @@ def shortlist_problem(flag, vocab, dictionary):
             f"symbols) and the dictionary's {len(dictionary)} entries (got {vocab})")
 
 
-class ProposalHeads(nn.Module):
+class ProposalHeads(nn.Module, Proposer):
     """The paper's k heads over one feed-forward layer cut into residual slices.
 
     layout "base": head 1 is the decoder's own output and the layer serves heads 2..k
@@ -34,8 +69,6 @@ class ProposalHeads(nn.Module):
     through `decoder` (a plain reference, not a submodule: its weights are the
     decoder's). With k=1 and the base layout there is no layer and no parameter.
     """
-
-    independent = True  # each head's distribution reads no other head's proposal
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()
@@ -86,27 +119,22 @@ class ProposalHeads(nn.Module):
         """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
         return shortlist_logits(self.decoder, x)
 
-    def propose(self, features, count, vocab=0, topn=1, token=None):
-        """Heads 2..count after one position: their `topn` best tokens, best first.
-
-        features: b x C, the decoder output at the last accepted position. vocab: propose
-        among the first N dictionary entries (0: all). token (b, head 1's choice after
-        that position) is for heads that read it (ChainedHeads). Returns tokens and their
-        log-probs (over that vocabulary), both b x count-1 x topn.
-        """
-        if count <= 1:
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+        """Heads 2..width after one position: their `topn` best tokens, best first (the
+        Proposer protocol; the heads read neither `token` nor `encoder_out`)."""
+        if width <= 1:
             empty = features.new_empty(features.size(0), 0, topn)
             return empty.long(), empty
-        lprobs, tokens = self.logits(features, count, vocab).log_softmax(dim=-1).topk(topn, dim=-1)
+        lprobs, tokens = self.logits(features, token, width, vocab).log_softmax(dim=-1).topk(topn, dim=-1)
         return tokens, lprobs
 
-    def logits(self, features, count, vocab=0):
-        """Heads 2..count after one position: features b x C -> logits b x count-1 x N.
+    def logits(self, features, token, width, vocab=0, encoder_out=None):
+        """Heads 2..width after one position: features b x C -> logits b x width-1 x N.
 
         N is `vocab` (0: the dictionary). Padding gets -inf (speculative sampling draws
         from these).
         """
-        heads = self.block_features(features, count)[:, 1:]  # b x count-1 x C
+        heads = self.block_features(features, width)[:, 1:]  # b x width-1 x C
         return decoding_logits(self.decoder, heads, vocab)
 
 
@@ -149,7 +177,7 @@ def following_tokens(inputs, pad, eos):
     return following.masked_fill(~real, pad)
 
 
-class ChainedHeads(nn.Module):
+class ChainedHeads(nn.Module, Proposer):
     """Heads 2..k in a chain, each told the token the head before it predicts.
 
     Ankner et al., "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding",
@@ -214,19 +242,16 @@ class ChainedHeads(nn.Module):
         """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
         return shortlist_logits(self.decoder, x)
 
-    def propose(self, features, count, vocab=0, topn=1, token=None):
-        """Heads 2..count after one position, one after another: `topn` best tokens each.
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+        """Heads 2..width after one position, one after another: `topn` best tokens each
+        (the Proposer protocol).
 
-        features: b x C, the decoder output at the last accepted position; token: b, head
-        1's choice after it (the block's first token). Each head reads its predecessor's
-        best token, so with topn > 1 the alternatives all follow the best chain.
-        Returns tokens and their log-probs (over the first `vocab` entries, 0: all),
-        both b x count-1 x topn.
+        Head 2 reads `token` (b, head 1's choice after `features`, the block's first
+        token), each later head its predecessor's best token, so with topn > 1 the
+        alternatives all follow the best chain.
         """
-        if count > 1 and token is None:
-            raise ValueError("chained heads propose after head 1's token: pass token=")
         tokens, lprobs = [], []
-        for i in range(count - 1):
+        for i in range(width - 1):
             features = self.link(i, features, token)  # b x C
             best, best_lprobs = best_tokens(self.decoder, features, vocab, topn)  # b x topn
             tokens.append(best)

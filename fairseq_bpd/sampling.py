@@ -14,7 +14,7 @@ import math
 import torch
 from fairseq.search import Sampling
 
-from .acceptance import commit, confident_width, running_scores
+from .acceptance import accepted, commit, confident_width, running_scores
 from .generator import BlockwiseGenerator
 
 
@@ -56,6 +56,20 @@ def speculative_accept(p, q, proposals, generator=None):
     return uniform * qx < px
 
 
+class SpeculativeRule:
+    """Speculative sampling's acceptance rule (the rule protocol, acceptance.py): a proposal x
+    passes with probability min(1, p(x)/q(x)). Its verdict is (p, q), b x n-1 x V each: head
+    1's normalized distribution at each proposal's position and the q it was drawn from.
+    generator: a torch.Generator for the uniform draws (None: torch's global one)."""
+
+    def __init__(self, generator=None):
+        self.generator = generator
+
+    def passes(self, verdict, block, tree):
+        p, q = verdict
+        return speculative_accept(p, q, block[:, 1:], self.generator)
+
+
 def at(x, position):
     """Each sentence's row at `position` (b) of x b x n x V: b x V."""
     return x.gather(1, position[:, None, None].expand(-1, 1, x.size(2)))[:, 0]
@@ -83,7 +97,8 @@ class SpeculativeSampler(BlockwiseGenerator):
         super().__init__(model, tgt_dict, options, stats, **fields)
         self.search = Sampling(self.model.decoder.dictionary, self.options.sampling_topk, self.options.sampling_topp)
         self.generator = generator
-        self.draft = None  # b x n-1 x V: the q each pending proposal was drawn from (propose)
+        self.rule = SpeculativeRule(generator)
+        self.draft = None  # b x n-1 x V: the q each pending proposal was drawn from (next_proposals)
 
     def verify_block(self, lprobs, block, score, limit, tree):
         """Speculative sampling's steps 2-4: lprobs b x n x V, block b x n (a chain: `tree`
@@ -98,8 +113,8 @@ class SpeculativeSampler(BlockwiseGenerator):
         n = block.size(1)
         q = self.draft if n > 1 else p[:, :0]  # b x n-1 x V
         # 2. Verify: each proposal passes with probability min(1, p/q); 3. accept the passing run.
-        passes = self.accept(p[:, :-1], q, block[:, 1:])  # b x n-1
-        kept = torch.minimum(1 + passes.long().cumprod(dim=1).sum(dim=1), limit)
+        passes = self.rule.passes((p[:, :-1], q), block, tree)  # b x n-1
+        _, kept = accepted(passes, limit, tree)
 
         # 4. The output after the kept proposals: from the residual where the proposal
         # there was rejected, from p where it was not (all passed, or `limit` cut the block).
@@ -118,22 +133,18 @@ class SpeculativeSampler(BlockwiseGenerator):
         values = running[..., None] + weights.gather(2, candidates).log()
         return (kept - 1, kept, *commit(block, candidates, values, running, kept, self.eos))
 
-    def accept(self, p, q, proposals):
-        """speculative_accept with this sampler's generator (a method: tests swap the rule)."""
-        return speculative_accept(p, q, proposals, self.generator)
-
     def correction(self, p, q):
         """Where the output after a rejection is drawn from: b x V (a method: tests swap it)."""
         return residual(p, q)
 
-    def propose(self, features, sentence, tokens, length):
-        """Heads 2..k draw a proposal each from their q: features b x C -> b x n-1 x 1 tokens
-        (a chain: each head's one draw).
+    def next_proposals(self, features, token, encoder_out, batch):
+        """Each proposal drawn from the proposer's q: features b x C -> b x n-1 x 1 tokens (a
+        chain: one draw each; arguments as BlockwiseGenerator.next_proposals).
 
         Keeps each q, over the whole dictionary, in self.draft for verify_block.
         """
-        heads = self.model.decoder.heads
-        logits = heads.logits(features, self.block_size, self.proposal_vocab)  # b x k-1 x N
+        width = self.policy.width(features.size(0))
+        logits = self.proposer.logits(features, token, width, self.proposal_vocab, encoder_out)  # b x w-1 x N
         if self.temperature != 1.0:
             logits = logits / self.temperature
         weights = sampling_probs(logits.float().log_softmax(dim=-1), self.search)

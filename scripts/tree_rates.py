@@ -13,17 +13,13 @@ the checkpoint (CKPT without .pt, plus .tree-rates.json), for --blockwise-tree-r
 import argparse
 import json
 import os
-import sys
 
 import torch
 from fairseq.data import data_utils
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from compare import add_data_args, batches, load  # noqa: E402
-
-from fairseq_bpd.generator import BlockwiseGenerator  # noqa: E402
-from fairseq_bpd.tree import MAX_RANK  # noqa: E402
+from fairseq_bpd.bench import add_data_args, batches, load
+from fairseq_bpd.options import BlockwiseOptions
+from fairseq_bpd.tree import MAX_RANK
 
 
 def beside(path):
@@ -46,11 +42,13 @@ def count_hits(model, net_input, outputs, proposal_vocab=0, ranks=MAX_RANK):
     encoder_out = model.encoder.forward_torchscript(net_input)
     features, _ = decoder.extract_features(previous, encoder_out=encoder_out)  # B x T x C
     B, T, C = features.shape
-    tokens, _ = decoder.heads.propose(features.reshape(B * T, C), decoder.block_size, proposal_vocab, ranks)
-    tokens = tokens.view(B, T, decoder.block_size - 1, -1)  # B x T x k-1 x ranks
-    hits = torch.zeros(decoder.block_size - 1, tokens.size(-1), dtype=torch.long)
-    trials = torch.zeros(decoder.block_size - 1, dtype=torch.long)
-    for h in range(decoder.block_size - 1):
+    k = decoder.proposal_heads
+    # Head 1's choice after each position is the greedy output there (chained heads read it).
+    tokens, _ = decoder.heads.propose(features.reshape(B * T, C), target.reshape(B * T), k, proposal_vocab, ranks)
+    tokens = tokens.view(B, T, k - 1, -1)  # B x T x k-1 x ranks
+    hits = torch.zeros(k - 1, tokens.size(-1), dtype=torch.long)
+    trials = torch.zeros(k - 1, dtype=torch.long)
+    for h in range(k - 1):
         ahead = target[:, h + 1 :]  # B x T-h-1: the token h+1 steps on
         valid = ahead.ne(pad)
         hits[h] = (tokens[:, : T - h - 1, h] == ahead[..., None])[valid].sum(dim=0)
@@ -73,10 +71,10 @@ def main():
         raise SystemExit(f"error: checkpoint not found: {args.path}")
     model, task, _ = load(args.path, args.data)
     samples = batches(task, args.subset, args.batch_size, args.max_sentences)
-    k = model.decoder.block_size
+    k = model.decoder.proposal_heads
     if k < 2:
         raise SystemExit(f"error: {args.path} has no proposal heads to measure (k={k})")
-    generator = BlockwiseGenerator(model, task.target_dictionary, block_size=k, proposal_vocab=args.proposal_vocab)
+    generator = BlockwiseOptions(block_size=k, proposal_vocab=args.proposal_vocab).generator(model, task.target_dictionary)
     hits = torch.zeros(k - 1, MAX_RANK, dtype=torch.long)
     trials = torch.zeros(k - 1, dtype=torch.long)
     for sample in samples:

@@ -3,6 +3,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import build, random_sample
 from test_generator import CacheWatch, Oracle, RandomRuns, assert_same, blockwise, ending_model, greedy
@@ -78,16 +79,19 @@ def test_acceptance_rates_count_each_proposal_given_its_predecessors():
 
 
 class Widths(AdaptiveBlockwiseGenerator):
-    """Records the widths chosen, in order; a FakeClock reads the block under way."""
+    """Records the widths its policy chose, in order; a FakeClock reads the block under way."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if isinstance(self.clock, FakeClock):
-            self.clock.generator = self
+        self.chosen, width = [], self.policy.width
+        if isinstance(self.policy.clock, FakeClock):
+            self.policy.clock.policy = self.policy
 
-    def block_width(self, batch_size):
-        self.chosen = getattr(self, "chosen", []) + [super().block_width(batch_size)]
-        return self.chosen[-1]
+        def recorded(batch_size):
+            self.chosen.append(width(batch_size))
+            return self.chosen[-1]
+
+        self.policy.width = recorded
 
 
 class AdaptiveOracle(Oracle, Widths):
@@ -209,11 +213,11 @@ class FakeClock:
     """Advances, at each reading, by a hand-made cost of the block the generator has under way."""
 
     def __init__(self):
-        self.now, self.generator = 0.0, None
+        self.now, self.policy = 0.0, None
 
     def __call__(self):
-        if self.generator.timing is not None:
-            width, b, _ = self.generator.timing
+        if self.policy.timing is not None:
+            width, b, _ = self.policy.timing
             # Rows cheap enough that each one more accepted token clearly pays (by over
             # NARROWER_SLACK: at batch 16, width 5 gives 18% more tokens a second than 4).
             self.now += 2e-3 + 1e-4 * b if width == 1 else 3e-3 + 1e-4 * b + 2e-5 * b * width
@@ -232,7 +236,7 @@ def test_measured_costs_settle_as_hand_made_ones(data_dir, agree):
     assert_same(expected, hypos)
     tail = generator.chosen[len(generator.chosen) // 2:]
     settled = 5 if agree else 1
-    explored = [generator.chosen[block - 1] for block in generator.explorations]
+    explored = [generator.chosen[block - 1] for block in generator.policy.explorations]
     assert Counter(tail).most_common(1)[0][0] == settled
     assert set(tail) - set(explored) == {settled}  # other widths only where it explores
     assert set(explored) <= ({4, 1} if agree else {2})  # below (or above) it, and the lean path
@@ -263,7 +267,7 @@ def test_exploration_times_neighbours_of_a_fixed_choice(data_dir):
                                  references=[e["tokens"] for e in expected], agree=True, cost=Three(),
                                  explore_every=2)
     assert_same(expected, hypos)
-    blocks, explorations = len(generator.chosen), generator.explorations
+    blocks, explorations = len(generator.chosen), generator.policy.explorations
     # The 2nd block explores, then, the choice unchanged, the 4th, 8th, 16th, ... (up to
     # every EXPLORE_AT_MOST): above (4), the lean path (1), below (2), in turn.
     gaps = [2] + [min(2 ** turn, EXPLORE_AT_MOST) for turn in range(1, len(explorations))]
@@ -337,3 +341,28 @@ def test_timings_taken_in_at_once_weigh_as_one_by_one():
             cost.update(width, b, seconds)
         assert np.allclose(cost.coefficients, nonnegative_solve(gram + 1e-9 * np.eye(5), moment))
         assert np.allclose(cost.gram, gram) and np.allclose(cost.moment, moment)
+
+
+def test_a_sentence_ending_in_a_block_counts_its_proposals_up_to_its_eos(data_dir):
+    """A hand-made block of width 5 (4 proposals) for three sentences: one whose EOS is a passing
+    proposal (the two proposals after it are no tries), one whose EOS is head 1's choice after
+    a rejected proposal (a try that failed), one that goes on (two passed, one failed)."""
+    task, model, _ = build(data_dir, "--block-size", "5", seed=1)
+    generator = AdaptiveBlockwiseGenerator(model, task.target_dictionary, block_size=5, explore_every=0)
+    d = task.target_dictionary
+    eos, a, b, c, e, x = d.eos(), 5, 6, 7, 8, 9
+    blocks = [[a, b, eos, c, e], [a, b, c, e, x], [a, b, c, e, x]]
+    choices = [[b, eos, c, e, x], [b, eos, c, e, x], [b, c, x, x, x]]  # head 1's choice after each token
+    lprobs = torch.full((3, 5, len(d)), -10.0, dtype=torch.float64)
+    lprobs.scatter_(2, torch.tensor(choices)[..., None], 0.0)
+    block, limit = torch.tensor(blocks), torch.tensor([10, 10, 10])
+    node, kept, outputs, _, added, finished = generator.verify_block(
+        lprobs, block, torch.zeros(3, dtype=torch.float64), limit, generator.layout)
+    assert kept.tolist() == [5, 2, 3] and added.tolist() == [2, 2, 3] and finished.tolist() == [True, True, False]
+    generator.policy.observe(5, kept, added, limit)
+    rates = generator.policy.rates
+    rates.rates()  # takes the counts in
+    # Proposal j, tried / passed: sentence 1 tried and passed 1 and its EOS (2); sentence 2
+    # passed 1 and tried 2 (rejected: head 1 chose EOS); sentence 3 passed 1 and 2, tried 3.
+    assert (rates.tried - 1).tolist() == [3, 3, 1, 0]
+    assert (rates.passed - 1).tolist() == [3, 2, 0, 0]

@@ -87,7 +87,7 @@ def test_propose_follows_the_teacher_forced_chain(data_dir, vocab):
     torch.manual_seed(0)
     x = torch.randn(5, 6, 16, dtype=torch.float64)  # any decoder features B x T x C
     first = torch.randint(4, 28, (5,))
-    proposals, lprobs = heads.propose(x[:, 2], 4, vocab, topn=2, token=first)  # b x 3 x 2
+    proposals, lprobs = heads.propose(x[:, 2], first, 4, vocab, topn=2)  # b x 3 x 2
     assert proposals.shape == lprobs.shape == (5, 3, 2)
     assert (lprobs[..., 0] >= lprobs[..., 1]).all()
     inputs = torch.randint(4, 28, (5, 6))
@@ -110,12 +110,12 @@ def test_random_chained_heads_give_greedy_output(data_dir, seed, bsz):
     expected = greedy(model, task, sample)
 
     class Recorded(BlockwiseGenerator):
-        def propose(self, features, sentence, tokens, length):
+        def next_proposals(self, features, token, encoder_out, batch):
             # The chain starts from head 1's greedy token after the last accepted position.
-            for row, (s, t) in enumerate(zip(sentence.tolist(), length.tolist())):
-                assert int(tokens[row, t]) == int(expected[s]["tokens"][t - 1])
+            for row, (s, t) in enumerate(zip(batch.sentence.tolist(), batch.length.tolist())):
+                assert int(token[row]) == int(batch.tokens[row, t]) == int(expected[s]["tokens"][t - 1])
                 checked.append(s)
-            return super().propose(features, sentence, tokens, length)
+            return super().next_proposals(features, token, encoder_out, batch)
 
     checked = []
     hypos, generator = blockwise(model, task, sample, 4, Recorded)
@@ -180,3 +180,34 @@ def test_a_config_from_before_head_type_builds_independent_heads(data_dir):
     del args.head_type  # as in checkpoints saved before --head-type existed
     model = tasks.setup_task(args).build_model(args)
     assert args.head_type == "independent" and type(model.decoder.heads) is ProposalHeads
+
+
+def test_tree_rates_are_measured_for_chained_heads(data_dir):
+    """scripts/tree_rates.py counts each head's rank-r hits teacher-forced on greedy's outputs:
+    chained heads read head 1's choice at each position, greedy's next output."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from tree_rates import count_hits
+
+    task, model, _ = chained(data_dir, 4, seed=6)
+    sample = random_sample(task, bsz=5, seed=6)
+    outputs = [e["tokens"] for e in greedy(model, task, sample, max_len_b=8)]
+    hits, trials = count_hits(model, sample["net_input"], outputs, ranks=3)
+    # The same counts, position by position: heads 2..4 after greedy's prefix, from its next token.
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    expected_hits, expected_trials = torch.zeros_like(hits), torch.zeros_like(trials)
+    eos = task.target_dictionary.eos()
+    with torch.no_grad():
+        for i, output in enumerate(outputs):
+            one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
+            features, _ = model.decoder.extract_features(torch.cat([torch.tensor([eos]), output[:-1]])[None], one)
+            for t in range(len(output)):
+                proposals, _ = model.decoder.heads.propose(features[:, t], output[t : t + 1], 4, topn=3)
+                for h in range(3):
+                    if t + h + 1 < len(output):
+                        expected_trials[h] += 1
+                        expected_hits[h] += (proposals[0, h] == output[t + h + 1]).long()
+    assert trials.tolist() == expected_trials.tolist() and trials.min() > 0
+    assert hits.tolist() == expected_hits.tolist() and hits.sum() > 0

@@ -7,9 +7,11 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build, random_sample
 
-from fairseq_bpd.acceptance import accept, confident_width, verify
+from fairseq_bpd.acceptance import confident_width
 from fairseq_bpd.cache import IncrementalCache
-from fairseq_bpd.generator import BlockwiseGenerator
+from fairseq_bpd.generator import BlockwiseGenerator, FixedWidth
+from fairseq_bpd.heads import Proposer
+from fairseq_bpd.options import BlockwiseOptions
 
 GREEDY_OPTIONS = ("max_len_a", "max_len_b", "min_len", "normalize_scores", "len_penalty",
                   "unk_penalty", "temperature", "no_repeat_ngram_size")
@@ -28,9 +30,9 @@ class Oracle(BlockwiseGenerator):
         super().__init__(*args, **kwargs)
         self.references, self.agree = references, agree
 
-    def propose(self, features, sentence, tokens, length):
-        rows, width = [], self.block_width(len(sentence))
-        for s, t in zip(sentence.tolist(), length.tolist()):
+    def next_proposals(self, features, token, encoder_out, batch):
+        rows, width = [], self.policy.width(len(batch.sentence))
+        for s, t in zip(batch.sentence.tolist(), batch.length.tolist()):
             ref = self.references[s].tolist() + [self.eos] * width
             row = ref[t : t + width - 1]
             if not (self.agree(s) if callable(self.agree) else self.agree):
@@ -97,8 +99,8 @@ def test_proposals_from_a_shortlist_give_greedy_output(data_dir, vocab, in_model
     proposed = []
 
     class Recorded(BlockwiseGenerator):
-        def propose(self, *args):
-            proposed.append(super().propose(*args))
+        def next_proposals(self, *args):
+            proposed.append(super().next_proposals(*args))
             return proposed[-1]
 
     hypos, _ = blockwise(model, task, sample, 4, Recorded, proposal_vocab=0 if in_model else vocab)
@@ -115,8 +117,8 @@ def test_blocks_cut_by_confidence_give_greedy_output(data_dir, bsz):
     widths = {}
 
     class Recorded(BlockwiseGenerator):
-        def propose(self, features, *args):
-            proposals = super().propose(features, *args)
+        def next_proposals(self, features, *args):
+            proposals = super().next_proposals(features, *args)
             # What the cut must have kept: the longest run of joint confidence >= P.
             heads = self.model.decoder.heads.block_features(features, self.block_size)[:, 1:]
             logits = self.model.decoder.project(heads)
@@ -283,19 +285,27 @@ class RandomRuns(Oracle):
 
     def __init__(self, *args, seed=0, random_widths=False, **kwargs):
         super().__init__(*args, agree=True, **kwargs)
-        self.rng, self.random_widths = torch.Generator().manual_seed(seed), random_widths
+        self.rng = torch.Generator().manual_seed(seed)
+        if random_widths:
+            self.policy = RandomWidths(self.block_size, self.rng)
 
-    def block_width(self, batch_size):
-        if not self.random_widths:
-            return super().block_width(batch_size)
-        if float(torch.rand((), generator=self.rng)) < 0.4:  # the lean path, often after wide blocks
-            return 1
-        return int(torch.randint(2, self.block_size + 1, (), generator=self.rng))
-
-    def propose(self, features, sentence, tokens, length):
-        true = super().propose(features, sentence, tokens, length)  # b x w-1 x 1
+    def next_proposals(self, features, token, encoder_out, batch):
+        true = super().next_proposals(features, token, encoder_out, batch)  # b x w-1 x 1
         right = torch.randint(0, true.size(1) + 1, (true.size(0), 1, 1), generator=self.rng)
         return torch.where(torch.arange(true.size(1))[:, None] < right, true, 4 + (true - 3) % 20)
+
+
+class RandomWidths(FixedWidth):
+    """A width policy drawing each block's width (1 to block_size), width 1 often."""
+
+    def __init__(self, block_size, rng):
+        super().__init__(block_size)
+        self.rng = rng
+
+    def width(self, batch_size):
+        if float(torch.rand((), generator=self.rng)) < 0.4:  # the lean path, often after wide blocks
+            return 1
+        return int(torch.randint(2, self.fixed + 1, (), generator=self.rng))
 
 
 class CacheWatch:
@@ -490,3 +500,62 @@ def test_a_model_made_under_inference_mode_decodes_as_greedy(data_dir, flags):
         model.load_state_dict(other.state_dict())
         hypos = blockwise(model, task, sample, 4)[0]  # first: fairseq's generator calls eval()
         assert_same(greedy(model, task, sample), hypos)
+
+
+def test_scores_are_float32_whatever_torchs_default_dtype(data_dir):
+    """fairseq keeps its running scores in float32 (.float()) under any default dtype: so do these."""
+    task, model, _ = build(data_dir, "--block-size", "4", seed=2)
+    sample = random_sample(task, bsz=5, seed=2)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        expected = greedy(model, task, sample)
+        hypos = blockwise(model, task, sample, 4)[0]
+    finally:
+        torch.set_default_dtype(default)
+    assert {e["positional_scores"].dtype for e in expected} == {torch.float32}
+    assert {h[0]["positional_scores"].dtype for h in hypos} == {h[0]["score"].dtype for h in hypos} == {torch.float32}
+    assert {h[0]["attention"].dtype for h in hypos} == {e["attention"].dtype for e in expected}
+    assert_same(expected, hypos)
+
+
+class RecordingProposer(Proposer):
+    """A proposer with state: the sentence and committed length of each of its rows, kept in
+    step through crop and reorder alone, and checked against greedy's outputs at each block."""
+
+    def __init__(self, heads, references):
+        self.heads, self.references = heads, references
+        self.sentence = self.length = None
+        self.reorders, self.blocks = [], 0
+
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+        assert self.sentence.numel() == features.size(0) == encoder_out["encoder_out"][0].size(1)
+        for row, (s, n) in enumerate(zip(self.sentence.tolist(), self.length.tolist())):
+            assert int(token[row]) == int(self.references[s][n - 1])  # greedy's next output: its state is right
+        self.blocks += 1
+        return self.heads.propose(features, token, width, vocab, topn, encoder_out)
+
+    def crop(self, path, kept):
+        if self.sentence is None:  # the first pass, on BOS alone
+            self.sentence, self.length = torch.arange(kept.size(0)), torch.zeros_like(kept)
+        assert (path[:, 0] == 0).all() and path.size(0) == kept.size(0) == self.sentence.numel()
+        self.length = self.length + kept
+
+    def reorder(self, rows):
+        self.reorders.append(self.sentence[rows].tolist())
+        self.sentence, self.length = self.sentence[rows], self.length[rows]
+
+
+@pytest.mark.parametrize("tree", [0, 8])
+def test_a_stateful_proposer_is_cropped_and_reordered_as_sentences_leave(data_dir, tree):
+    model, task, sample, expected, references = eos_ending(data_dir)
+    proposer = RecordingProposer(model.decoder.heads, references)
+    generator = BlockwiseGenerator(model, task.target_dictionary, BlockwiseOptions(max_len_b=20, tree=tree),
+                                   proposer=proposer)
+    assert_same(expected, generator.generate([model], sample))
+    # Sentences left at several blocks; each reorder kept the sentences still decoding, in order.
+    assert len(proposer.reorders) > 2 and proposer.blocks > len(proposer.reorders)
+    previous = list(range(len(expected)))
+    for rows in proposer.reorders:
+        assert set(rows) < set(previous) and rows == sorted(rows)
+        previous = rows

@@ -90,7 +90,7 @@ def test_a_min_block_larger_than_the_block_is_refused_by_name(data_dir, block_si
     task, model, _ = build(data_dir, "--block-size", "4")
     width = block_size or 4
     options = BlockwiseOptions(block_size=block_size, min_block=width)  # the whole block: allowed
-    assert options.generator(model, task.target_dictionary).min_block == width
+    assert options.generator(model, task.target_dictionary).rule.min_block == width
     message = f"^--blockwise: --blockwise-min-block {width + 1} is larger than the block: .* {width} \\({where}\\)"
     with pytest.raises(BlockwiseRequestError, match=message):
         options.replace(min_block=width + 1).generator(model, task.target_dictionary)

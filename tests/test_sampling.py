@@ -178,9 +178,17 @@ def test_the_enumeration_is_fairseqs_sampling_distribution(tiny, name):
     assert g_test(hypos, exact_tables(tiny, sampling, options), lambda i: i % SOURCES) > 1e-3
 
 
+class EveryProposal:
+    """A wrong rule: every proposal passes."""
+
+    def passes(self, verdict, block, tree):
+        return torch.ones_like(block[:, 1:], dtype=torch.bool)
+
+
 class AcceptsEverything(SpeculativeSampler):
-    def accept(self, p, q, proposals):
-        return torch.ones_like(proposals, dtype=torch.bool)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rule = EveryProposal()
 
 
 class DrawsFromPAfterARejection(SpeculativeSampler):
@@ -231,11 +239,11 @@ def nearly_exact_heads(tiny, sampling, options, base=SpeculativeSampler):
     uniform /= uniform.sum()
 
     class NearlyExactHeads(base):
-        def propose(self, features, sentence, tokens, length):
+        def next_proposals(self, features, token, encoder_out, batch):
             q = torch.zeros(features.size(0), self.block_size - 1, len(d))  # b x k-1 x V
             proposals = torch.zeros(*q.shape[:2], 1, dtype=torch.long)
-            for row, (s, n) in enumerate(zip(sentence.tolist(), length.tolist())):
-                prefix = tuple(tokens[row, 1 : n + 1].tolist())
+            for row, (s, n) in enumerate(zip(batch.sentence.tolist(), batch.length.tolist())):
+                prefix = tuple(batch.tokens[row, 1 : n + 1].tolist())
                 for j in range(q.size(1)):
                     q[row, j] = 0.7 * distributions[s % SOURCES].get(prefix, uniform) + 0.3 * uniform
                     proposals[row, j] = torch.multinomial(q[row, j], 1, generator=self.generator)

@@ -16,8 +16,9 @@ from cli_support import PLUGIN, TINY_ARCH, Runs, assert_same_hypotheses, hypothe
 from conftest import build, random_sample
 from test_generator import Oracle, assert_same, blockwise, greedy
 
-from fairseq_bpd.acceptance import accept_within_distance, symbol_numbers
+from fairseq_bpd.acceptance import Verdict, WithinDistance, accepted, symbol_numbers
 from fairseq_bpd.generator import BlockwiseGenerator
+from fairseq_bpd.tree import Tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -49,6 +50,13 @@ def numeric_dir(tmp_path):
 
 
 # --- the acceptance rule --------------------------------------------------------------
+
+
+def accept_within_distance(candidates, block, proposal_lprobs, limit, numbers, distance):
+    """How many block tokens each sentence keeps under WithinDistance: b (a chain's accepted length)."""
+    tree = Tree.chain_of(block.size(1) - 1)
+    passes = WithinDistance(numbers, distance).passes(Verdict(candidates, None, None, proposal_lprobs), block, tree)
+    return accepted(passes, limit, tree)[1]
 
 
 def hand_built(proposed, chosen, lprob=0.0):
@@ -168,8 +176,8 @@ def neighbours(tokens):
 class OffByOne(Oracle):
     """Proposes greedy's continuation, every pixel one intensity level off (level 0 for EOS)."""
 
-    def propose(self, features, sentence, tokens, length):
-        proposals = super().propose(features, sentence, tokens, length)
+    def next_proposals(self, *args):
+        proposals = super().next_proposals(*args)
         numeric = proposals >= level_token(0)
         return torch.where(numeric, neighbours(proposals), level_token(0))
 

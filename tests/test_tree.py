@@ -95,11 +95,11 @@ class TreeOracle(Oracle):
         super().__init__(*args, agree=True, **kwargs)
         self.place = place
 
-    def propose(self, features, sentence, tokens, length):
-        true = super().propose(features, sentence, tokens, length)[..., 0]  # b x k-1
+    def next_proposals(self, features, token, encoder_out, batch):
+        true = super().next_proposals(features, token, encoder_out, batch)[..., 0]  # b x k-1
         topn = self.layout.topn
         rows = []
-        for row, s in enumerate(sentence.tolist()):
+        for row, s in enumerate(batch.sentence.tolist()):
             wrong = [[4 + (int(x) - 3 + r) % 20 for r in range(1, topn + 1)] for x in true[row]]
             rank = self.place(s)
             if rank is not None and rank < topn:
