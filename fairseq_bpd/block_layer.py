@@ -22,7 +22,12 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayer, Transform
 
 
 def understands(layer):
-    """Whether block_layer reproduces this fairseq decoder layer: a bool.
+    """Whether block_layer reproduces this fairseq decoder layer: a bool (see unsupported)."""
+    return unsupported(layer) is None
+
+
+def unsupported(layer):
+    """What block_layer does not reproduce in this fairseq decoder layer, in words, or None.
 
     No extras (head scaling, attention or FFN layer norms, residual scaling,
     cross-self-attention), plain linear projections (no quantization noise), no forward
@@ -30,34 +35,41 @@ def understands(layer):
     attention, and no dropout at work. lean_layers decides it again after train()/eval()
     and after any hook is registered.
     """
-    if type(layer) not in (TransformerDecoderLayerBase, TransformerDecoderLayer) or layer.training:
-        return False
-    if layer.cross_self_attention or any(
-        getattr(layer, name, None) is not None for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid")
-    ):
-        return False
+    if type(layer) not in (TransformerDecoderLayerBase, TransformerDecoderLayer):
+        return f"a {type(layer).__name__}"
+    if layer.training:
+        return "training mode"
+    if layer.cross_self_attention:
+        return "cross-self-attention"
+    extras = [name for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid") if getattr(layer, name, None) is not None]
+    if extras:
+        return extras[0]
     linears = [layer.fc1, layer.fc2]
     for attention in (layer.self_attn, layer.encoder_attn):
         if attention is None:
             continue
-        if type(attention) is not MultiheadAttention or attention.bias_k is not None or attention.add_zero_attn:
-            return False
+        if type(attention) is not MultiheadAttention:
+            return f"a {type(attention).__name__}"
+        if attention.bias_k is not None or attention.add_zero_attn:
+            return "bias_kv or zero attention"
         if getattr(attention, "use_xformers", False) or not attention.qkv_same_dim:
-            return False
+            return "xformers or keys and values of another width"
         linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.out_proj]
     norms = [layer.self_attn_layer_norm, layer.final_layer_norm]
     if layer.encoder_attn is not None:
         norms.append(layer.encoder_attn_layer_norm)
     if not all(type(m) is nn.Linear for m in linears) or not all(type(m) is nn.LayerNorm for m in norms):
-        return False
+        return "a projection or layer norm that is no plain nn.Linear or nn.LayerNorm"
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
-        return False  # torch's hooks on every module: block_layer calls none
+        return "global module hooks"  # torch's hooks on every module: block_layer calls none
     # No hooks anywhere in the layer: block_layer calls its linears and layer norms, but not
     # the layer, its attention or dropout modules, whose hooks would silently not run.
     modules = list(layer.modules())
     if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
-        return False
-    return not any(getattr(m, "apply_during_inference", False) for m in modules)
+        return "a forward hook"
+    if any(getattr(m, "apply_during_inference", False) for m in modules):
+        return "dropout at inference"
+    return None
 
 
 def block_layer(layer, x, encoder_out, encoder_padding_mask, cache, self_attn_mask, need_attn):

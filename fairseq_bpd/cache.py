@@ -141,3 +141,150 @@ class IncrementalCache:
                     buffer[key] = cache.gather(2, expanded)
             buffer["prev_key_padding_mask"] = padding
             layer.self_attn._set_input_buffer(self.state, buffer)
+
+
+# A finished sentence's row stays in the static cache, masked, until this fraction of the
+# rows is finished; then the live rows are gathered to the front (one copy of their
+# entries). A finished row costs its share of every later pass; a compaction costs a copy.
+ROWS_COMPACT_AT = 0.25
+# The columns a static cache starts with; it doubles when a block would not fit.
+COLUMNS = 64
+
+
+class StaticCache:
+    """The decoder's keys and values preallocated for the batch, written in place (the lean path).
+
+    kv: 2L x B x T x C, layer i's keys at 2i and values at 2i+1, the heads side by side in
+    C, as the block's projection makes them; attention reads them as strided
+    B x h x W x d views. Cache row r holds its sentence's entries in its first lengths[r]
+    columns. A block is written at each row's own length (a slice where all are equal,
+    as at batch 1; one index_copy otherwise) and attention reads the first
+    max(lengths) + n columns, with a mask only where lengths differ or the block has more
+    than one token. A rejected suffix needs no crop: the length stops before it and the
+    next block overwrites it; a tree's accepted path is one gather of its entries.
+    A finished sentence's row is masked, not copied out (rows: the cache rows of the
+    decoder's rows), until ROWS_COMPACT_AT of them are. The source's keys and values
+    (encoder attention) are kept per layer, B x h x S x d, with the source mask additive.
+
+    Same methods as IncrementalCache (width, crop, source, keep_source), plus begin
+    (the block's rows and mask), write (a layer's block keys and values) and reorder.
+    """
+
+    def __init__(self, layers, columns=None):
+        self.layers, self.columns = layers, columns or COLUMNS
+        self.kv = self.lengths = self.rows = self.source_mask = None
+        self.sources = [None] * len(layers)
+        self.longest, self.equal, self.tree, self.n = 0, True, False, 0
+        self.chain_masks = {}
+
+    def width(self):
+        """Columns before the next block: the longest row's length, an int."""
+        return self.longest
+
+    def begin(self, x, block_mask):
+        """Before a block pass: x b x n x C over the decoder's rows -> x over the cache rows
+        (B x n x C; finished rows' zeros), and the self-attention mask over the first
+        max(lengths)+n columns: None (one token, equal lengths), n x W, or B x 1 x n x W.
+        block_mask: n x n additive (the chain's or a tree's; None: the chain's)."""
+        b, n, channels = x.shape
+        if self.kv is None:  # zeros, not empty: -inf masking a NaN in fresh memory is NaN
+            self.kv = x.new_zeros(2 * len(self.layers), b, max(self.columns, n), channels)
+            self.lengths = torch.zeros(b, dtype=torch.long, device=x.device)
+        elif self.longest + n > self.kv.size(2):  # doubled: a copy now and then, never per block
+            self.resize(self.kv.size(1), max(2 * self.kv.size(2), self.longest + n))
+        if self.rows is not None:
+            x = x.new_zeros(self.kv.size(1), n, channels).index_copy_(0, self.rows, x)
+        if block_mask is None:  # the chain's
+            block_mask = torch.triu(x.new_full((n, n), -math.inf), 1)
+        self.n, self.tree = n, n > 1 and not self.is_chain(block_mask)
+        width = self.longest + n
+        if self.equal:
+            if n == 1:
+                return x, None
+            mask = x.new_zeros(n, width)
+            mask[:, self.longest:] = block_mask
+            return x, mask
+        rows, columns = self.kv.size(1), self.kv.size(2)
+        self.index = ((torch.arange(rows, device=x.device) * columns + self.lengths)[:, None]
+                      + torch.arange(n, device=x.device)).view(-1)  # B*n: the block's flat columns
+        # Per row, a column before its block is seen, one in it as block_mask says, one after hidden.
+        table = torch.cat([block_mask.new_zeros(n, 1), block_mask, block_mask.new_full((n, 1), -math.inf)], 1)
+        where = (torch.arange(width, device=x.device) - self.lengths[:, None] + 1).clamp_(0, n + 1)  # B x W
+        return x, table.to(x)[:, where].transpose(0, 1).unsqueeze(1)
+
+    def is_chain(self, block_mask):
+        """Whether block_mask (n x n) is the causal one: crop then has no path to gather."""
+        key = (block_mask.data_ptr(), tuple(block_mask.shape), block_mask.stride())
+        if key not in self.chain_masks:
+            n = block_mask.size(0)
+            causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=block_mask.device), 1)
+            self.chain_masks[key] = bool(((block_mask == -math.inf) == causal).all())
+        return self.chain_masks[key]
+
+    def write(self, layer, kv, heads):
+        """Layer `layer`'s block keys and values (2 x B x n x C) into place; returns the keys and
+        values to attend to, B x h x W x d each (W = max(lengths) + n)."""
+        pair = self.kv[2 * layer : 2 * layer + 2]  # 2 x B x T x C
+        rows, columns, channels = pair.shape[1:]
+        if self.equal:
+            pair[:, :, self.longest : self.longest + self.n] = kv
+        else:
+            pair.view(2, rows * columns, channels).index_copy_(1, self.index, kv.reshape(2, -1, channels))
+        width = self.longest + self.n
+        return [t[:, :width].view(rows, width, heads, -1).transpose(1, 2) for t in pair]
+
+    def source(self, layer):
+        """The source's keys and values for layer `layer` (B x h x S x d each), or None."""
+        return self.sources[layer]
+
+    def keep_source(self, layer, k, v, padding_mask):
+        """Keep the source's keys and values for `layer`; padding_mask b x S (True: padding) or None."""
+        self.sources[layer] = (k, v)
+        if layer == 0 and padding_mask is not None and bool(padding_mask.any()):
+            self.source_mask = k.new_zeros(padding_mask.shape).masked_fill_(padding_mask.bool(), -math.inf)[:, None, None]
+
+    def crop(self, cached, block_width, keep, kept):
+        """Each row's length becomes cached + kept (b, the decoder's rows); a tree's kept path
+        keep b x m (block positions) is gathered to follow the prefix. Returns cached + kept."""
+        lengths = cached + kept
+        if self.tree:
+            self.gather_path(cached, keep.clamp(max=block_width - 1))
+        if self.rows is None:
+            self.lengths = lengths
+        else:
+            self.lengths.index_copy_(0, self.rows, lengths)
+        longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
+        self.longest, self.equal = longest, longest == shortest
+        return lengths
+
+    def gather_path(self, cached, keep):
+        """Every layer's entries at block positions keep (b x m) move to the columns after cached (b)."""
+        rows, columns, channels = self.kv.shape[1:]
+        row = self.rows if self.rows is not None else torch.arange(cached.size(0), device=cached.device)
+        start = (row * columns + cached)[:, None]
+        flat = self.kv.view(self.kv.size(0), rows * columns, channels)
+        path = flat.index_select(1, (start + keep).view(-1))
+        flat.index_copy_(1, (start + torch.arange(keep.size(1), device=keep.device)).view(-1), path)
+
+    def reorder(self, order):
+        """Keep the decoder's rows `order` (b', ascending: finished sentences leave). Their
+        rows are masked, or, once ROWS_COMPACT_AT of the cache rows are, the batch compacted."""
+        rows = order if self.rows is None else self.rows[order]
+        total = self.kv.size(1)
+        if total - rows.numel() < ROWS_COMPACT_AT * total:
+            lengths = torch.zeros_like(self.lengths)  # a finished row attends to its own garbage
+            self.lengths, self.rows = lengths.index_copy_(0, rows, self.lengths[rows]), rows
+            return
+        self.lengths, self.rows = self.lengths[rows], None
+        self.resize(rows, self.kv.size(2))
+        self.sources = [None if s is None else (s[0][rows], s[1][rows]) for s in self.sources]
+        if self.source_mask is not None:
+            self.source_mask = self.source_mask[rows]
+
+    def resize(self, rows, columns):
+        """New buffers of `rows` (a count, or the rows to keep) by `columns`, the valid entries copied."""
+        count = rows if isinstance(rows, int) else rows.numel()
+        kv = self.kv.new_zeros(self.kv.size(0), count, columns, self.kv.size(3))
+        valid = self.kv[:, :, : self.longest]
+        kv[:, :, : self.longest] = valid if isinstance(rows, int) else valid.index_select(1, rows)
+        self.kv = kv

@@ -4,8 +4,11 @@ Stern, Shazeer & Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
 Models", NeurIPS 2018. forward is fairseq's (training, and fairseq's own step: head 1
 only); forward_block feeds a block of tokens after the cached prefix in one invocation,
 and crop_cache keeps only its accepted entries, both through the cache's room
-(cache.py). What decoding keeps of the weights (a transposed projection, a position
-table, which layers block_layer runs) is made again whenever the weights change.
+(cache.py): a StaticCache and the lean pass (static_pass.py) where block_layer
+understands every layer, else fairseq's incremental state, with block_layer for the
+layers it understands and fairseq's own for the others. What decoding keeps of the
+weights (a transposed projection, a position table, the lean pass's arranged weights,
+which layers block_layer runs) is made again whenever the weights change.
 """
 import logging
 
@@ -14,9 +17,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from fairseq.models.transformer import TransformerDecoderBase
 
-from .block_layer import block_layer, understands
-from .cache import IncrementalCache
+from .block_layer import block_layer, unsupported
+from .cache import IncrementalCache, StaticCache
 from .heads import HEAD_TYPES
+from .static_pass import LeanWeights, static_pass
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +34,15 @@ def weights_key(*weights):
     return (torch.is_inference_mode_enabled(), *((w.data_ptr(), w._version, w.dtype, w.device) for w in weights))
 
 
+STATIC = "blockwise_static_cache"  # the incremental-state key of a StaticCache
+
+
 class BlockwiseDecoder(TransformerDecoderBase):
     """TransformerDecoder with k proposal heads; `extra["block_features"]` is B x T x k x C."""
+
+    # False: forward_block keeps fairseq's incremental-state format even where the lean path
+    # could run (for a caller that reads the state with fairseq's own step).
+    static_cache = True
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
@@ -96,7 +107,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """Drop what decoding keeps of the weights (transposed_projection, position_table) and
         of the layers (lean_layers): fairseq's optimizers update p.data in place, which moves
         no version counter, and fairseq's Trainer switches modes around every step and validation."""
-        self._transposed_key = self._position_key = self._lean_layers = None
+        self._transposed_key = self._position_key = self._lean_layers = self._lean_weights = None
         return super().train(mode)
 
     def forward(
@@ -139,9 +150,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
         -inf elsewhere, the same for every sentence (default causal: a chain; a tree
         passes its ancestor mask). Every token attends to the whole cached prefix.
         Sentences whose cached prefixes differ in length share the cache's columns, the
-        entries not theirs (gaps, rejected ones) hidden by its key padding mask
-        (IncrementalCache.crop). Returns features b x n x C and the alignment layer's attention
-        b x n x S (mean over heads).
+        entries not theirs hidden (StaticCache: each row's own length; IncrementalCache:
+        the key padding mask). Returns features b x n x C and the alignment layer's
+        attention b x n x S (mean over heads).
         """
         n = tokens.size(1)
         x = self.embed_scale * self.embed_tokens(tokens)
@@ -153,19 +164,34 @@ class BlockwiseDecoder(TransformerDecoderBase):
             x += self.position_table(int(positions.max()) + 1)[positions]
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
-        x = self.dropout_module(x).transpose(0, 1)
-
-        cache = self.cache(incremental_state)
-        full_mask = None  # a single token sees the whole prefix and itself, as in fairseq's step
-        if n > 1:
-            if self_attn_mask is None:
-                self_attn_mask = self.buffered_future_mask(x)
-            full_mask = x.new_zeros(n, cache.width() + n)
-            full_mask[:, -n:] = self_attn_mask
+        x = self.dropout_module(x)
+        if n > 1 and self_attn_mask is None:
+            self_attn_mask = self.buffered_future_mask(x.transpose(0, 1))
         enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None
         padding_mask = (
             encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
         )
+        cache = self.cache(incremental_state)
+        if type(cache) is StaticCache:
+            x, attn = static_pass(self._lean_weights, cache, x, enc, padding_mask, self_attn_mask,
+                                  self.num_layers - 1)
+        else:
+            x, attn = self.incremental_pass(x.transpose(0, 1), enc, padding_mask, incremental_state, cache,
+                                            self_attn_mask)
+            x = x.transpose(0, 1)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        return x, attn
+
+    def incremental_pass(self, x, enc, padding_mask, incremental_state, cache, self_attn_mask):
+        """The layers over a block on fairseq's incremental state: x n x b x C -> n x b x C, attention."""
+        n = x.size(0)
+        full_mask = None  # a single token sees the whole prefix and itself, as in fairseq's step
+        if n > 1:
+            full_mask = x.new_zeros(n, cache.width() + n)
+            full_mask[:, -n:] = self_attn_mask
         attn = None
         for idx, (layer, lean) in enumerate(zip(self.layers, self.lean_layers())):
             alignment = idx == self.num_layers - 1
@@ -185,11 +211,6 @@ class BlockwiseDecoder(TransformerDecoderBase):
             )
             if alignment and layer_attn is not None:
                 attn = layer_attn.float().to(x).mean(dim=0)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        x = x.transpose(0, 1)
-        if self.project_out_dim is not None:
-            x = self.project_out_dim(x)
         return x, attn
 
     def lean_layers(self):
@@ -199,19 +220,58 @@ class BlockwiseDecoder(TransformerDecoderBase):
         since block_layer does not call the modules a hook may sit on."""
         hooks = RemovableHandle.next_id
         if getattr(self, "_lean_layers", None) is None or getattr(self, "_lean_hooks", None) != hooks:
-            self._lean_layers, self._lean_hooks = [understands(layer) for layer in self.layers], hooks
+            self._lean_reasons = [unsupported(layer) for layer in self.layers]
+            self._lean_layers, self._lean_hooks = [reason is None for reason in self._lean_reasons], hooks
         return self._lean_layers
 
     def cache(self, incremental_state):
-        """The block pass's view of fairseq's incremental state: an IncrementalCache (cache.py)."""
+        """The block pass's cache in `incremental_state`: its StaticCache (cache.py), made on
+        the first block where block_layer understands every layer (the lean path), else
+        IncrementalCache, fairseq's format. Says once in the log why the lean path is off."""
+        static = incremental_state.get(STATIC)
+        if static is not None:
+            return static
+        if not incremental_state:
+            lean = self.lean_layers()
+            if all(lean) and self.static_cache:
+                self._lean_weights = self.lean_weights()
+                static = incremental_state[STATIC] = StaticCache(self.layers)
+                return static
+            if not all(lean):
+                self.say_why_not_lean(lean)
         return IncrementalCache(self.layers, incremental_state)
 
+    def say_why_not_lean(self, lean):
+        reasons = getattr(self, "_lean_reasons", [None] * len(lean))
+        why = "; ".join(f"layer {i}: {reason or 'not understood'}" for i, (ok, reason)
+                        in enumerate(zip(lean, reasons)) if not ok)
+        if why != getattr(self, "_said_why", None):
+            self._said_why = why
+            logger.info(f"blockwise: no static cache nor lean pass, fairseq's incremental state and layers "
+                        f"where block_layer does not reproduce them ({why})")
+
+    def lean_weights(self):
+        """The layers' weights as the lean pass reads them (static_pass.LeanWeights), arranged
+        again when any of them changes (weights_key)."""
+        params = [p for layer in self.layers for p in layer.parameters()]
+        key = weights_key(*params)
+        if key is None or getattr(self, "_lean_weights", None) is None or self._lean_weights_key != key:
+            self._lean_weights, self._lean_weights_key = LeanWeights(self.layers), key
+        return self._lean_weights
+
+    def reorder_incremental_state_scripting(self, incremental_state, new_order):
+        """Keep the sentences at new_order: the StaticCache's reorder, or fairseq's."""
+        static = incremental_state.get(STATIC)
+        if static is not None:
+            return static.reorder(new_order)
+        return super().reorder_incremental_state_scripting(incremental_state, new_order)
+
     def cache_width(self, incremental_state):
-        """Columns of the self-attention cache (its longest prefix plus padding): an int."""
+        """Columns of the self-attention cache before the next block: an int."""
         return self.cache(incremental_state).width()
 
     def crop_cache(self, incremental_state, cached, block_width, keep, kept):
-        """Keep only the accepted entries of the last block (IncrementalCache.crop): cached + kept, b."""
+        """Keep only the accepted entries of the last block (the cache's crop): cached + kept, b."""
         return self.cache(incremental_state).crop(cached, block_width, keep, kept)
 
     def position_table(self, size):

@@ -13,6 +13,9 @@ sees one (--cpu: the CPU); a GPU is synchronised around every timed part.
 
 --trees adds --blockwise-tree blocks of those sizes at the checkpoint's full width, their
 tree built from --rates (scripts/tree_rates.py's file; default: the built-in table).
+--caches static incremental profiles each blockwise row on both of the decoder's caches
+(the static cache and lean pass; fairseq's incremental state and block_layer), row by
+row in one process, for an A/B comparison on a busy machine.
 """
 import argparse
 
@@ -28,7 +31,7 @@ BLOCKWISE_PARTS = (  # (object name, method, label): the loop's steps, in order
     ("batch", "store", "store"),
     ("decoder", "crop_cache", "cache crop"),
     ("decoder", "reorder_incremental_state_scripting", "finished leave"),
-    ("generator", "propose", "proposals (heads 2..k)"),
+    ("generator", "next_proposals", "proposals (heads 2..k)"),
 )
 GREEDY_PARTS = (
     ("ensemble", "forward_decoder", "decoder step, projection, log-softmax"),
@@ -64,6 +67,8 @@ def main():
     ap.add_argument("--max-sentences", type=int, default=128)
     ap.add_argument("--trees", type=int, nargs="*", default=[], help="--blockwise-tree sizes to add")
     ap.add_argument("--rates", help="scripts/tree_rates.py's file for --trees (default: the built-in table)")
+    ap.add_argument("--caches", nargs="+", choices=["static", "incremental"], default=["static"],
+                    help="the decoder caches to profile each blockwise row on (default: static, the lean path)")
     bench.add_device_args(ap)
     args = ap.parse_args()
     model, task, device, _ = bench.setup(args)
@@ -81,9 +86,13 @@ def main():
     blockwise.update({f"tree {size}": dict(block_size=bench.full_width(model), tree=size, tree_rates=rates)
                       for size in args.trees})
     for name, options in blockwise.items():
-        generator = bench.blockwise_generator(model, tgt_dict, options)
-        objects = {"decoder": model.decoder, "generator": generator, "batch": blockwise_module.Batch}
-        rows[name] = profile(generator, objects, BLOCKWISE_PARTS, samples, model, synchronize)
+        for cache in args.caches:
+            model.decoder.static_cache = cache == "static"
+            generator = bench.blockwise_generator(model, tgt_dict, options)
+            objects = {"decoder": model.decoder, "generator": generator, "batch": blockwise_module.Batch}
+            label = name if args.caches == ["static"] else f"{name}, {cache}"
+            rows[label] = profile(generator, objects, BLOCKWISE_PARTS, samples, model, synchronize)
+    model.decoder.static_cache = True
     step = rows["greedy"][0]["total"]
     print(f"{len(samples)} batches of {args.batch_size}, {bench.describe(device)}: ms per loop iteration "
           f"(a greedy step; a blockwise invocation)\n")

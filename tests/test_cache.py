@@ -23,6 +23,7 @@ def test_cached_blocks_match_a_full_prefix_pass(data_dir):
     """Feeding blocks and rolling back a different suffix per sentence equals recomputing."""
     task, model, _ = build(data_dir, "--block-size", "4", seed=9)
     decoder, eos = model.decoder, task.target_dictionary.eos()
+    decoder.static_cache = False  # fairseq's format, which these tests read
     sample = random_sample(task, bsz=3, seed=9)
     encoder_out = model.encoder.forward_torchscript(sample["net_input"])
     torch.manual_seed(0)
@@ -48,6 +49,7 @@ def test_masked_holes_and_compaction_match_a_full_prefix_pass(data_dir):
     leaving the batch in between: every block's features still equal recomputing the prefix."""
     task, model, _ = build(data_dir, "--block-size", "4", seed=10)
     decoder, eos = model.decoder, task.target_dictionary.eos()
+    decoder.static_cache = False
     sample = random_sample(task, bsz=4, seed=10)
     encoder_out = model.encoder.forward_torchscript(sample["net_input"])
     generator = torch.Generator().manual_seed(3)
@@ -91,6 +93,7 @@ class Blocks:
     def __init__(self, data_dir, bsz, seed):
         self.task, self.model, _ = build(data_dir, "--block-size", "4", seed=seed)
         self.decoder, self.eos = self.model.decoder, self.task.target_dictionary.eos()
+        self.decoder.static_cache = False
         sample = random_sample(self.task, bsz=bsz, seed=seed)
         self.encoder_out = self.model.encoder.forward_torchscript(sample["net_input"])
         self.generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,129 @@
+"""The decoder layers over a static cache (cache.StaticCache): the lean path's block pass.
+
+Taken when block_layer understands every decoder layer (decoder.cache decides), so it
+computes the same function as block_layer and fairseq's layers, in fewer operations:
+per layer one product gives the block's queries, keys and values (the three
+projections' weights side by side, transposed once, the query's scaling folded in),
+which the cache writes in place, and the rows stay batch first throughout, so no
+reshape between layers copies. The weights are arranged once per decoding (LeanWeights),
+not per invocation. The source's keys and values are computed on the first call and
+kept by the cache. It rounds differently from fairseq's step, as any block pass does,
+which is why exactness is tested in float64.
+
+A CUDA graph could replay this pass from the same cache: for a batch of B rows and a
+block of n, everything between begin's outputs (the rows x, the self-attention mask and
+the write index) and the features has fixed shapes once the cache is allocated for the
+whole output (StaticCache(columns=...)) and attention reads all of its columns under
+the mask (B x 1 x n x T, where begin slices to max(lengths) + n today); a graph per
+(B, n) would capture the layers, the projection and log-softmax. The host round trips
+(crop's lengths, the generator's checks) stay outside it.
+"""
+import torch
+import torch.nn.functional as F
+
+from .block_layer import attend
+
+
+def transposed(*linears, scale=None):
+    """The linears' weights side by side, transposed and contiguous (C x sum of outputs), and
+    their biases (zeros where none); `scale` multiplies the first one's, as fairseq scales q."""
+    weights, biases = [], []
+    for i, module in enumerate(linears):
+        factor = scale if scale is not None and i == 0 else 1.0
+        weights.append(module.weight.detach() * factor)
+        bias = module.bias.detach() if module.bias is not None else module.weight.new_zeros(module.out_features)
+        biases.append(bias * factor)
+    return torch.cat(weights).t().contiguous(), torch.cat(biases).contiguous()
+
+
+class LeanWeights:
+    """What the lean pass reads of each layer, arranged once: products as x · Wᵀ (addmm on a
+    contiguous C x out copy; nn.Linear's x · Wᵀ on the out x C weight re-packs it per call)."""
+
+    def __init__(self, layers):
+        self.layers = [self.arrange(layer) for layer in layers]
+
+    @staticmethod
+    def arrange(layer):
+        attention, cross = layer.self_attn, layer.encoder_attn
+        w = {
+            "pre": layer.normalize_before, "heads": attention.num_heads, "activation": layer.activation_fn,
+            "qkv": transposed(attention.q_proj, attention.k_proj, attention.v_proj, scale=attention.scaling),
+            "out": transposed(attention.out_proj), "self_norm": layer.self_attn_layer_norm,
+            "fc1": transposed(layer.fc1), "fc2": transposed(layer.fc2), "final_norm": layer.final_layer_norm,
+            "cross": None,
+        }
+        if cross is not None:
+            w.update(cross={"heads": cross.num_heads, "q": transposed(cross.q_proj, scale=cross.scaling),
+                            "kv": transposed(cross.k_proj, cross.v_proj), "out": transposed(cross.out_proj)},
+                     cross_norm=layer.encoder_attn_layer_norm)
+        return w
+
+
+def product(x, weights):
+    bias, weight = weights[1], weights[0]
+    return torch.addmm(bias, x, weight)
+
+
+def norm(module, x):
+    return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+
+
+def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment_layer):
+    """The layers over a block: x b x n x C (batch first) -> b x n x C, and the alignment
+    layer's encoder attention averaged over heads, b x n x S (or None).
+
+    lean: LeanWeights; cache: the StaticCache; encoder_out: S x b x C (read on the first
+    call only: the cache keeps its keys); padding_mask: b x S or None; block_mask: n x n
+    additive (the chain's causal mask or a tree's).
+    """
+    x, mask = cache.begin(x, block_mask)
+    rows, n, channels = x.shape
+    x = x.view(rows * n, channels)
+    attn = None
+    for i, w in enumerate(lean.layers):
+        pre, heads = w["pre"], w["heads"]
+        # Self-attention: the block's keys and values go into the cache, in place.
+        y = norm(w["self_norm"], x) if pre else x
+        qkv = product(y, w["qkv"])  # B*n x 3C
+        q = qkv[:, :channels].view(rows, n, heads, -1).transpose(1, 2)  # B x h x n x d
+        k, v = cache.write(i, qkv[:, channels:].view(rows, n, 2, channels).permute(2, 0, 1, 3), heads)
+        out = attend(q, k, v, mask)[0].transpose(1, 2).reshape(rows * n, channels)
+        x = x + product(out, w["out"])
+        if not pre:
+            x = norm(w["self_norm"], x)
+        cross = w["cross"]
+        if cross is not None and encoder_out is not None:
+            y = norm(w["cross_norm"], x) if pre else x
+            y, layer_attn = cross_attention(cross, cache, i, y, rows, n, encoder_out, padding_mask,
+                                            i == alignment_layer)
+            x = x + y
+            if not pre:
+                x = norm(w["cross_norm"], x)
+            if layer_attn is not None:
+                attn = layer_attn
+        y = norm(w["final_norm"], x) if pre else x
+        x = x + product(w["activation"](product(y, w["fc1"])), w["fc2"])
+        if not pre:
+            x = norm(w["final_norm"], x)
+    x = x.view(rows, n, channels)
+    if cache.rows is not None:  # the finished rows' outputs are no one's
+        x = x.index_select(0, cache.rows)
+        attn = attn.index_select(0, cache.rows) if attn is not None else None
+    return x, attn
+
+
+def cross_attention(w, cache, i, y, rows, n, encoder_out, padding_mask, need_attn):
+    """Attention of the block (B*n x C) to the source, its keys and values kept by the cache
+    from the first call: B*n x C, and the attention B x n x S averaged over heads (need_attn)."""
+    heads, channels = w["heads"], y.size(1)
+    source = cache.source(i)
+    if source is None:
+        length, batch, _ = encoder_out.shape
+        kv = product(encoder_out.reshape(length * batch, channels), w["kv"]).view(length, batch, 2, heads, -1)
+        source = (kv[:, :, 0].permute(1, 2, 0, 3).contiguous(), kv[:, :, 1].permute(1, 2, 0, 3).contiguous())
+        cache.keep_source(i, *source, padding_mask)
+    q = product(y, w["q"]).view(rows, n, heads, -1).transpose(1, 2)
+    out, weights = attend(q, *source, cache.source_mask, need_attn)
+    out = product(out.transpose(1, 2).reshape(rows * n, channels), w["out"])
+    return out, weights.mean(dim=1) if need_attn else None
