@@ -121,8 +121,9 @@ class BlockwiseGenerator(nn.Module):
         self.model, self.options = model, options
         # A plain attribute, not a submodule: the heads are the model's, and the loop reads
         # it every invocation (a submodule is found through nn.Module's __getattr__).
-        self.__dict__["proposer"] = model.decoder.heads if proposer is None else proposer
-        refuse_for_model(options, model, tgt_dict, self.proposer)
+        proposer = getattr(model.decoder, "heads", None) if proposer is None else proposer  # None: refused next
+        refuse_for_model(options, model, tgt_dict, proposer)
+        self.__dict__["proposer"] = proposer
         self.block_size = block_size = options.block_size or model.decoder.proposal_heads
         self.rule = rule_for(options, tgt_dict)
         self.log_confidence = math.log(options.confidence) if options.confidence > 0 else -math.inf
