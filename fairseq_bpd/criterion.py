@@ -1,4 +1,5 @@
 """Multi-position loss for the k proposal heads (Stern et al. 2018, section 6)."""
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 
 from .targets import shift_target
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
@@ -24,6 +27,15 @@ class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
             "plain mean). Fine-tuning a pretrained base with 1 lets the k-1 proposal "
             "losses pull the shared decoder and embeddings away from next-token "
             "prediction; k-1 gives head 1 half of the loss"
+        },
+    )
+    head_loss_bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "project heads 2..k's training features onto their vocabulary in "
+            "bfloat16 (torch.autocast; the log-softmax stays float32): the largest product "
+            "in head training, about 3 times faster in bfloat16 on CPUs with AVX512-BF16 "
+            "and on GPUs. Head 1 and the base are computed as before"
         },
     )
     random_head: bool = field(
@@ -67,15 +79,19 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         report_accuracy=False,
         random_head=False,
         head1_weight=1.0,
+        head_loss_bf16=False,
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.random_head = random_head
+        self.head_loss_bf16 = head_loss_bf16
         if not 0 < head1_weight < math.inf:  # nan too: it would train on a nan loss
             raise ValueError(f"--head1-weight must be a number greater than 0 (got {head1_weight})")
         self.head1_weight = head1_weight
 
     def forward(self, model, sample, reduce=True):
-        net_output = model(**sample["net_input"])
+        # Features only: each head's loss projects its own features (head 1's logits from
+        # forward would be a second product over the whole dictionary).
+        net_output = model(**sample["net_input"], features_only=True)
         if "block_features" not in net_output[1]:  # was a bare KeyError: 'block_features'
             raise ValueError(
                 f"--criterion blockwise_cross_entropy trains a model with proposal heads, and "
@@ -89,6 +105,8 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             target = target[:, self.ignore_prefix_size :]
         k = block.size(2)
         weights = [self.head1_weight] + [1.0] * (k - 1)
+        if model.training and head1_is_constant(model):
+            return self.proposal_forward(model, sample, block, target, weights, reduce)
         if self.random_head and model.training:
             # Drawn in proportion to the weights, the expected loss is the weighted mean.
             drawn = int(torch.multinomial(torch.tensor(weights), 1).item())
@@ -131,6 +149,66 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             logging_output["block_count"] = utils.item(positions)
         return loss, logging_output["sample_size"], logging_output
 
+    def proposal_forward(self, model, sample, block, target, weights, reduce=True):
+        """Training with head 1 constant (a frozen base): heads 2..k's share of the loss alone.
+
+        The loss is the full loss less head 1's share (the same gradients), made without
+        head 1's projection over the whole dictionary, and each head's projection is
+        taken only at the positions in its loss: B x T x k x C -> N x C rows. Head 1's
+        nll, ppl, accuracy and the block estimate need that projection: validation logs
+        them (it runs every head).
+        """
+        if not getattr(self, "_said_frozen", False):
+            logger.info("head 1 is the frozen base: its loss is a constant, not computed in training "
+                        "(train lines give loss_h2.. and acc_h2..; validation also gives nll_loss, ppl and block)")
+            self._said_frozen = True
+        heads = list(range(1, block.size(2)))
+        if self.random_head:
+            # Drawn among heads 2..k in proportion to their weights: head 1 would train nothing.
+            drawn = heads[int(torch.multinomial(torch.tensor(weights[1:]), 1).item())]
+            heads = [drawn]
+        logging_output = {
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample["target"].size(0) if self.sentence_avg else sample["ntokens"],
+        }
+        k = block.size(2)
+        shifted = [shift_target(target, i, self.padding_idx) for i in range(k)]
+        in_loss = torch.stack([self.loss_target(model, shifted[i], i) for i in range(k)], dim=-1)  # B x T x k
+        keep = in_loss.ne(self.padding_idx)
+        keep[..., [i for i in range(k) if i not in heads]] = False
+        # One selection for all heads (its backward fills one zero tensor, not one per head).
+        logits = self.proposal_logits(model, block[keep])  # N x V'
+        lprobs = model.get_normalized_probs((logits, None), log_probs=True)
+        target_rows = in_loss[keep]  # N
+        losses, _ = label_smoothed_nll_loss(
+            lprobs, target_rows, self.eps, ignore_index=self.padding_idx, reduce=False
+        )
+        head_of_row = keep.nonzero()[:, 2]  # N, 0-based head
+        loss_h = losses.new_zeros(k).index_add(0, head_of_row, losses.view(-1))  # k
+        hits = lprobs.argmax(-1).eq(target_rows).long()
+        n_correct = hits.new_zeros(k).index_add_(0, head_of_row, hits).tolist()
+        ntokens = keep.sum(dim=(0, 1)).tolist()
+        for i in range(1, k):  # a head not drawn logs zeros: every log has the same keys
+            h, drawn = i + 1, i in heads
+            logging_output.update({
+                f"loss_h{h}": loss_h[i].data, f"ntokens_h{h}": ntokens[i],
+                f"n_correct_h{h}": n_correct[i],
+                f"total_h{h}": utils.item(shifted[i].ne(self.padding_idx).sum()) if drawn else 0,
+            })
+        # As the full loss divides: the same gradients, less head 1's constant share.
+        loss = (loss_h * loss_h.new_tensor(weights)).sum() / (1.0 if self.random_head else sum(weights))
+        logging_output["loss"] = loss.data
+        return loss, logging_output["sample_size"], logging_output
+
+    def proposal_logits(self, model, x):
+        """Heads 2..k's shortlist logits (--head-vocab): ... x C -> ... x N, in bfloat16 under
+        --head-loss-bf16."""
+        if not self.head_loss_bf16:
+            return model.decoder.proposal_logits(x)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return model.decoder.proposal_logits(x)
+
     def correct(self, prediction, target):
         """Hits and non-pad targets: prediction and target B x T."""
         mask = target.ne(self.padding_idx)
@@ -169,7 +247,7 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         """Label-smoothed loss and nll of head i (0-based), its log-probs and its target."""
         target_i = shift_target(target, i, self.padding_idx)
         if self.shortlist(model, i):
-            logits = model.decoder.proposal_logits(block[:, :, i])
+            logits = self.proposal_logits(model, block[:, :, i])
         else:
             logits = model.decoder.output_layer(block[:, :, i])
         lprobs = model.get_normalized_probs((logits, None), log_probs=True)
@@ -184,7 +262,12 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
+        if any("nll_loss" in log for log in logging_outputs):
+            super().reduce_metrics(logging_outputs)
+        else:  # head 1 not computed (a frozen base in training): no nll_loss or ppl to give
+            sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+            loss = sum(log.get("loss", 0) for log in logging_outputs)
+            metrics.log_scalar("loss", loss / sample_size / math.log(2), sample_size, round=3)
 
         def total(key):
             return utils.item(sum(log.get(key, 0) for log in logging_outputs))
@@ -211,3 +294,13 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
         return True
+
+
+def head1_is_constant(model):
+    """Whether head 1's loss has no gradient: it is the decoder's own output (--head-layout
+    base) and no parameter outside the heads is trained (--freeze-base)."""
+    heads = getattr(model.decoder, "heads", None)
+    if getattr(heads, "layout", None) != "base":
+        return False
+    return not any(p.requires_grad for name, p in model.named_parameters()
+                   if not name.startswith("decoder.heads."))

@@ -105,6 +105,18 @@ class BlockwiseTransformerModel(TransformerModel):
                     param.requires_grad_(False)
         return model
 
+    def train(self, mode=True):
+        """Under --freeze-base the base stays in eval mode while its heads train: no dropout in
+        it, so the heads learn on the very features decoding gives them."""
+        super().train(mode)
+        if mode and not any(p.requires_grad for name, p in self.named_parameters()
+                            if not name.startswith("decoder.heads.")):
+            self.encoder.eval()
+            for name, child in self.decoder.named_children():
+                if name != "heads":
+                    child.eval()
+        return self
+
     @classmethod
     def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):
         """fairseq's loading, with a hub whose translate() under --blockwise asks for no beam."""

@@ -308,3 +308,88 @@ def test_head_1_logs_what_stock_label_smoothed_cross_entropy_does(data_dir, flag
     assert (log["n_correct_h1"], log["total_h1"]) == (stock_log["n_correct"], stock_log["total"])
     for key in ("n_correct", "total", "ntokens", "nsentences", "sample_size"):
         assert log[key] == stock_log[key], key
+
+
+def frozen(data_dir, head_type, *flags):
+    """A tiny k=3 model with --freeze-base, its heads random (not zero), in train mode (dropout 0)."""
+    task, model, _ = build(data_dir, "--block-size", "3", "--head-type", head_type, "--freeze-base", *flags)
+    for name, param in model.decoder.heads.named_parameters():
+        if "fc_out" in name or "fc2" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    return task, model.train()
+
+
+@pytest.mark.parametrize("head_type", ["independent", "chained"])
+@pytest.mark.parametrize("vocab", ["0", "12"])
+def test_frozen_training_is_the_full_loss_less_head_1s_share(data_dir, head_type, vocab):
+    """With a frozen base head 1's loss is a constant: training leaves it out (no projection over
+    the dictionary), and the loss is the full loss less head 1's weighted share, the same gradients."""
+    task, model = frozen(data_dir, head_type, "--head-vocab", vocab)
+    sample = translation_batch(task, 6, seed=14)
+    crit = criterion(task, head1_weight=2.0)
+    heads = [p for p in model.parameters() if p.requires_grad]
+    loss, size, log = crit(model, sample)  # train mode: the frozen path
+    loss.backward()
+    grads = [p.grad.clone() for p in heads]
+    model.zero_grad()
+    model.eval()  # the full path (dropout is 0: the same features)
+    full_loss, full_size, full = crit(model, sample)
+    full_loss.backward()
+    assert size == full_size
+    assert torch.allclose(loss, full_loss - 2.0 * full["loss_h1"] / (2.0 + 2), rtol=1e-6)
+    for h in (2, 3):
+        assert torch.allclose(log[f"loss_h{h}"], full[f"loss_h{h}"], rtol=1e-6)
+        for key in ("ntokens", "n_correct", "total"):
+            assert log[f"{key}_h{h}"] == full[f"{key}_h{h}"], (key, h)
+    assert not {"loss_h1", "nll_loss", "n_correct", "block_sum"} & set(log)
+    for p, grad in zip(heads, grads):
+        assert torch.allclose(p.grad, grad, rtol=1e-5, atol=1e-8)
+    with metrics.aggregate() as aggregate:
+        BlockwiseCrossEntropyCriterion.reduce_metrics([log])
+    values = aggregate.get_smoothed_values()
+    assert {"loss", "loss_h2", "acc_h2", "loss_h3", "acc_h3"} <= set(values)
+    assert not {"nll_loss", "ppl", "block", "loss_h1"} & set(values)  # not computed: not logged as 0
+
+
+@pytest.mark.parametrize("head_type", ["independent", "chained"])
+def test_a_frozen_base_stays_in_eval_mode_while_its_heads_train(data_dir, head_type):
+    """Its features are then the ones decoding gives the heads: no dropout in the base."""
+    task, model = frozen(data_dir, head_type, "--dropout", "0.3")
+    sample = translation_batch(task, 4, seed=15)
+    assert model.training and model.decoder.heads.training
+    assert not model.encoder.training and not any(layer.training for layer in model.decoder.layers)
+    block = model(**sample["net_input"], features_only=True)[1]["block_features"]
+    inference = model.eval()(**sample["net_input"], features_only=True)[1]["block_features"]
+    assert torch.equal(block[:, :, 0], inference[:, :, 0])
+    _, trained, _ = build(data_dir, "--block-size", "3", "--dropout", "0.3")  # not frozen: fairseq's modes
+    assert trained.train().encoder.training and trained.decoder.layers[0].training
+
+
+def test_frozen_random_head_draws_among_heads_2_to_k(data_dir):
+    task, model = frozen(data_dir, "independent")
+    crit, sample = criterion(task, random_head=True), translation_batch(task, 3, seed=16)
+    torch.manual_seed(0)
+    drawn, keys = set(), set()
+    for _ in range(12):
+        loss, _, log = crit(model, sample)
+        keys.add(tuple(log))
+        trained = [h for h in (2, 3) if log[f"ntokens_h{h}"] > 0]
+        assert len(trained) == 1 and torch.equal(loss, log[f"loss_h{trained[0]}"])
+        drawn |= set(trained)
+    assert drawn == {2, 3} and len(keys) == 1
+
+
+@pytest.mark.parametrize("frozen_base", [False, True])
+def test_head_loss_bf16_projects_heads_2_to_k_in_bfloat16(data_dir, frozen_base):
+    if frozen_base:
+        task, model = frozen(data_dir, "chained", "--head-vocab", "12")
+    else:
+        task, model, _ = build(data_dir, "--block-size", "3", "--head-vocab", "12")
+    model = model.float()
+    sample = translation_batch(task, 6, seed=17)
+    exact = criterion(task)(model, sample)
+    bf16 = criterion(task, head_loss_bf16=True)(model, sample)
+    assert not torch.equal(bf16[0], exact[0])  # computed otherwise
+    assert torch.allclose(bf16[0], exact[0], rtol=2e-2)
+    if not frozen_base:
+        assert torch.equal(bf16[2]["loss_h1"], exact[2]["loss_h1"])  # head 1 as before

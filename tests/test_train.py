@@ -109,14 +109,22 @@ def runs(tmp_path_factory):
 
 
 def test_log_reports_every_head_and_the_block(runs):
-    for log in (runs["blockwise_log"], runs["heads_log"]):
-        for subset in ("train", "valid"):
-            line = re.search(rf"\| {subset} \| epoch 001 \|.*", log).group(0)
-            for h in (1, 2, 3):
-                assert f"| loss_h{h} " in line and f"| acc_h{h} " in line, line
-            assert "loss_h4" not in line
-            assert 1 <= float(re.search(r"\| block ([\d.]+)", line).group(1)) <= 3, line
+    for log, subset in ((runs["blockwise_log"], "train"), (runs["blockwise_log"], "valid"), (runs["heads_log"], "valid")):
+        line = re.search(rf"\| {subset} \| epoch 001 \|.*", log).group(0)
+        for h in (1, 2, 3):
+            assert f"| loss_h{h} " in line and f"| acc_h{h} " in line, line
+        assert "loss_h4" not in line and "| ppl " in line
+        assert 1 <= float(re.search(r"\| block ([\d.]+)", line).group(1)) <= 3, line
     assert "| bleu " in runs["blockwise_log"]
+
+
+def test_frozen_training_says_head_1_is_not_computed(runs):
+    """A frozen base's head 1 is a constant: its train lines give heads 2..k only, no made-up ppl."""
+    log = runs["heads_log"]
+    assert "head 1 is the frozen base: its loss is a constant, not computed in training" in log
+    line = re.search(r"\| train \| epoch 001 \|.*", log).group(0)
+    assert all(f"| loss_h{h} " in line and f"| acc_h{h} " in line for h in (2, 3)), line
+    assert not any(f"| {key} " in line for key in ("loss_h1", "acc_h1", "nll_loss", "ppl", "block")), line
 
 
 def test_checkpoint_loads_weights_only(runs):
@@ -223,6 +231,16 @@ def test_heads_train_on_a_frozen_plain_transformer(runs):
     for key, value in base.items():
         assert torch.equal(trained[key], value), key
     assert trained["decoder.heads.fc2.weight"].abs().sum() > 0  # initialised to zero, then trained
+    common = ["--gen-subset", "valid", "--max-tokens", "500", "--cpu", "--num-workers", "0", "--beam", "1",
+              "--required-batch-size-multiple", "1"]
+    base_output = finish(fairseq("fairseq-generate", runs["data"], "--path", runs["base"], "--user-dir", PLUGIN, *common))
+    heads_output = finish(fairseq("fairseq-generate", runs["data"], "--path", runs["heads"], "--user-dir", PLUGIN,
+                                  "--task", "translation_blockwise", *common))
+
+    def tokens(output):  # {sentence id: tokens} of fairseq's H- lines
+        return {int(m.group(1)): m.group(2) for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", output, re.M)}
+
+    assert len(tokens(base_output)) == 20 and tokens(heads_output) == tokens(base_output)
 
 
 def test_recipe_scripts_resume_their_checkpoints(tmp_path):
