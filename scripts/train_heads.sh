@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Recipe step 3: k proposal heads on a trained base (scripts/train_base.sh).
 # Usage: scripts/train_heads.sh DATA BASE_CKPT SAVE_DIR K frozen|finetune [fairseq-train flags...]
-# frozen trains the heads alone (--freeze-base); finetune trains heads and base together,
-# head 1 weighted 7 times each other head (--head1-weight 7; a later --head1-weight wins).
+# frozen trains the heads alone (--freeze-base; the base stays in eval mode, and head 1, a
+# constant, is not computed in training), at lr 2e-3 after 100 warmup updates: heads of
+# about a million weights take it (scripts/recipe_chained.sh). finetune trains heads and base
+# together, head 1 weighted 7 times each other head (--head1-weight 7). A later flag wins.
 # Resumes from SAVE_DIR/checkpoint_last.pt when it exists.
 set -euo pipefail
 DATA=$1; BASE=$2; SAVE=$3; K=$4; MODE=$5; shift 5
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 case "$MODE" in
-  frozen) MODE_FLAGS=(--freeze-base --lr 1e-3) ;;
+  frozen) MODE_FLAGS=(--freeze-base --lr 2e-3 --warmup-updates 100) ;;
   # finetune: head 1 gets half of a k=8 loss, so the base keeps its translations (docs/speed.md)
   finetune) MODE_FLAGS=(--lr 5e-4 --head1-weight 7) ;;
   *) echo "error: mode must be frozen or finetune, not '$MODE'" >&2; exit 2 ;;

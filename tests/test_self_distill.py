@@ -14,6 +14,7 @@ from test_train import BLOCKWISE, ENV, TINY, binarised_corpus, fairseq, finish
 
 sys.path.insert(0, os.path.join(os.path.dirname(PLUGIN), "scripts"))
 import get_source_text  # noqa: E402
+import hold_out  # noqa: E402
 
 SELF_DISTILL = os.path.join(os.path.dirname(PLUGIN), "scripts", "self_distill.sh")
 
@@ -128,3 +129,50 @@ def test_source_text_leaves_out_valid_and_test_books(tmp_path, capsys):
         get_source_text.main([str(out), "--db", str(db), "--bible", "x"])
     with pytest.raises(SystemExit, match="--codes: file not found"):
         get_source_text.main([str(out), "--db", str(db), "--codes", str(tmp_path / "nope")])
+
+
+def test_hold_out_splits_by_source_and_binarises_both_splits(tmp_path, capsys):
+    data = binarised_corpus(tmp_path)
+    (tmp_path / "pairs" / "text").mkdir(parents=True)
+    sources = (tmp_path / "raw" / "train.de").read_text().splitlines()
+    targets = (tmp_path / "raw" / "train.en").read_text().splitlines()
+    distinct = {}
+    for source, target in zip(sources, targets):
+        distinct.setdefault(source, target)  # one pair a source, as self-distillation makes
+    sources, targets = list(distinct), list(distinct.values())
+
+    def split(n, out):
+        for lang, lines in (("de", sources[:n]), ("en", targets[:n])):
+            (tmp_path / "pairs" / "text" / f"train.bpe.{lang}").write_text("".join(line + "\n" for line in lines))
+        hold_out.main([str(tmp_path / "pairs"), str(tmp_path / out), "--one-in", "5", "--data", data])
+        text = tmp_path / out / "text"
+        return {name: list(zip((text / f"{name}.bpe.de").read_text().splitlines(),
+                               (text / f"{name}.bpe.en").read_text().splitlines())) for name in ("train", "valid")}
+
+    full = split(len(sources), "full")
+    assert sorted(full["train"] + full["valid"]) == sorted(zip(sources, targets))
+    assert 0 < len(full["valid"]) < len(sources) / 2
+    assert all(hold_out.held_out(s, 5) for s, _ in full["valid"]) and not any(hold_out.held_out(s, 5) for s, _ in full["train"])
+    for split_name in ("train", "valid"):
+        assert (tmp_path / "full" / f"{split_name}.de-en.en.bin").stat().st_size > 0
+    assert f"{len(full['train'])} train and {len(full['valid'])} held-out (valid) pairs" in capsys.readouterr().out
+    # Fewer pairs of the same text hold out the same sources among them.
+    half = split(len(sources) // 2, "half")
+    first = set(sources[: len(sources) // 2])
+    assert half["valid"] == [pair for pair in full["valid"] if pair[0] in first]
+
+
+def test_hold_out_bad_input_is_named(tmp_path):
+    (tmp_path / "pairs" / "text").mkdir(parents=True)
+    (tmp_path / "pairs" / "text" / "train.bpe.de").write_text("a\nb\n")
+    (tmp_path / "pairs" / "text" / "train.bpe.en").write_text("x\n")
+    for args, message in (
+        ([str(tmp_path / "none"), str(tmp_path / "out")], "not found: "),
+        ([str(tmp_path / "pairs"), str(tmp_path / "out")], "2 source lines but 1 target lines"),
+        ([str(tmp_path / "pairs"), str(tmp_path / "out"), "--one-in", "1"], "--one-in must be 2 or more"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            hold_out.main(args)
+    (tmp_path / "pairs" / "text" / "train.bpe.en").write_text("x\ny\n")
+    with pytest.raises(SystemExit, match="no valid pairs .of 2. with --one-in 1000"):
+        hold_out.main([str(tmp_path / "pairs"), str(tmp_path / "out"), "--one-in", "1000"])
