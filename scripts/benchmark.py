@@ -219,7 +219,7 @@ def plots(results, directory="docs"):
 
 
 def target_rows(results, updates):
-    """The issue's targets for distilled + fine-tuned k=8 against what was measured."""
+    """The paper's figures for distilled + fine-tuned k=8 as targets, against what was measured."""
     quality, speed = results.get("distilled-finetune-k8-top1"), results.get("speed-b1-k8")
     greedy, prof = results.get("distilled-finetune-greedy"), results.get("profile-k8")
     if not (quality and speed and greedy and prof):
@@ -246,8 +246,7 @@ def target_rows(results, updates):
         "this CPU: ten label-smoothed softmaxes over 7,936 types for about 3,500 target tokens. "
         "The paper trains for hundreds of thousands of steps on GPUs. The training logs' "
         "teacher-forced `acc_h2..acc_h10` stay far below head 1's, so a block rarely survives "
-        "past its second token. The demo model (k=8, 400 fine-tuning updates, a weaker base) "
-        "reached a mean block of 2.82 and 1.62x at batch 1 (README).",
+        "past its second token.",
         f"- **A block pass is not free on a CPU.** One invocation costs {ratio:.2f}x a greedy "
         f"step ({prof['blockwise_ms_per_invocation']:.2f} ms vs {prof['greedy_ms_per_step']:.2f} ms, "
         "table above). The decoder layers, the head-1 projection and the log-softmax all run "

@@ -33,7 +33,7 @@ MODES = ("frozen", "finetune")
 # and the CPU trains it about 3x faster than train_base.sh's width 256.
 SMALL = ["--encoder-embed-dim", "128", "--decoder-embed-dim", "128", "--encoder-ffn-embed-dim", "512",
          "--decoder-ffn-embed-dim", "512", "--num-workers", "0"]
-# The paper's figures quoted in issue 15 (CelebA 8x8 -> 32x32, Image Transformer); the
+# The paper's one figure for this setting (CelebA 8x8 -> 32x32, Image Transformer); the
 # rest of its table is left to the paper rather than retyped unverified.
 PAPER_BLOCK = {("finetune", 2, 10): "6.79"}
 PAPER_SPEEDUP = "4.0x at k=6 (fine-tuned, ε=2, GPU)"
@@ -213,7 +213,7 @@ def report(args, results, images, path="docs/superres.md"):
         return "| " + " | ".join(map(str, cells)) + " |"
 
     lines = [
-        "# Image super-resolution with distance-based acceptance (issue 15)",
+        "# Image super-resolution with distance-based acceptance",
         "",
         "The paper's section 7.2 on a CPU scale: scikit-learn's 1,797 handwritten digits "
         "(8x8, intensities 0..16) from 4x4 inputs made by 2x2 average pooling, pixels in raster "
@@ -235,8 +235,8 @@ def report(args, results, images, path="docs/superres.md"):
         "## Mean accepted block size",
         "",
         "`--blockwise-distance E` accepts a proposal whose intensity is within E levels of head 1's "
-        "choice; E=0 is exact greedy decoding. The paper's column is the one figure quoted in issue 15 "
-        "(its approximate acceptance used ε=2).",
+        "choice; E=0 is exact greedy decoding. The paper's column is its one figure for this "
+        "setting (its approximate acceptance used ε=2).",
         "",
         row(["heads", "E", *[f"k={k}" for k in BLOCK_SIZES], "paper, k=10"]),
         row(["---"] * (len(BLOCK_SIZES) + 3)),
