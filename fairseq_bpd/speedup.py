@@ -216,7 +216,7 @@ def main(argv=None):
         job.head_ffn_dim = max(1, model_options(job.state["cfg"].model)["decoder_embed_dim"] // 2)
     job.cpu = ["--cpu"] if job.cpu else []
     job.batching = ["--max-tokens", 8000, "--required-batch-size-multiple", 1, "--log-format", "simple",
-                    "--log-interval", 10, *job.cpu]
+                    "--log-interval", 1, *job.cpu]
     inputs = {
         "checkpoint": os.path.abspath(job.checkpoint), "checkpoint_sha256": digest(job.checkpoint),
         "data": os.path.abspath(job.data), "source": os.path.abspath(job.source),

@@ -22,6 +22,7 @@ from fairseq.models.transformer import TransformerModel
 
 PLUGIN = os.path.dirname(os.path.abspath(__file__))
 TREE_RATES = os.path.join(os.path.dirname(PLUGIN), "scripts", "tree_rates.py")
+BATCHES = r"(\d+) / (\d+) wps"  # fairseq-generate's progress: batches done, of how many
 LOG_FORMAT, DATE_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s", "%Y-%m-%d %H:%M:%S"  # fairseq's
 
 
@@ -65,23 +66,25 @@ def fairseq(command, argv, log, watch=None):
 
 class TimeLeft(logging.Handler):
     """Reads fairseq's progress lines (`pattern`'s first group: what is done; its second or
-    `total`: of how much) and says the time left at this run's pace, every `every` lines."""
+    `total`: of how much) and says the time left at this run's pace, about every tenth."""
 
-    def __init__(self, pattern, unit, total=None, every=1):
+    def __init__(self, pattern, unit, total=None):
         super().__init__()
-        self.pattern, self.unit, self.total, self.every = re.compile(pattern), unit, total, every
-        self.first, self.seen, self.said = None, 0, 0
+        self.pattern, self.unit, self.total = re.compile(pattern), unit, total
+        self.first, self.said = None, 0
 
     def emit(self, record):
-        found = self.pattern.search(record.getMessage())
+        self.read(record.getMessage())
+
+    def read(self, line):
+        found = self.pattern.search(line)
         if not found:
             return
         done, total = int(found.group(1)), self.total or int(found.group(2))
         if self.first is None:
             self.first = (done, time.monotonic())
         first, then = self.first
-        self.seen += 1
-        if done <= max(first, self.said) or done >= total or self.seen % self.every:
+        if done <= first or done >= total or done - self.said < total / 10:
             return
         self.said = done
         left = (total - done) * (time.monotonic() - then) / (done - first)
@@ -100,7 +103,7 @@ def greedy(job, data, subset, results, log, *flags):
     fairseq("generate", [data, "--path", job.checkpoint, "--user-dir", PLUGIN, "--gen-subset", subset,
                          "--source-lang", job.src, "--target-lang", job.tgt, "--beam", 1, *job.batching,
                          "--results-path", os.path.dirname(results), *flags], log,
-            TimeLeft(r"(\d+) / (\d+) wps", "batches", every=10))
+            TimeLeft(BATCHES, "batches"))
     os.replace(os.path.join(os.path.dirname(results), f"generate-{subset}.txt"), results)
 
 
@@ -152,6 +155,21 @@ def model_options(base):
     return {name: values[name] for name in sorted(names) if name in values}
 
 
+def bf16_is_fast(cpu):
+    """Whether heads 2..k's training projection pays in bfloat16 (--head-loss-bf16) here: on a
+    GPU that has it, or a CPU with bfloat16 instructions (Linux says so in /proc/cpuinfo)."""
+    import torch
+
+    if not cpu and torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
 def train(run, job):
     """Step 2: the heads alone on the distilled pairs, through fairseq's own training loop."""
     import fairseq_cli.train
@@ -159,16 +177,19 @@ def train(run, job):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     updates = job.updates
+    # train_heads.sh's frozen settings. fairseq validates at each save inside an epoch, so a run
+    # saves (and validates: the log's `block` estimate) about 4 times, and at the end.
+    bf16 = ["--head-loss-bf16"] if bf16_is_fast(job.cpu) else []
     argv = [
         run.file("distilled"), "--user-dir", PLUGIN, "--task", "translation_blockwise",
         "--source-lang", job.src, "--target-lang", job.tgt, "--arch", "transformer_blockwise",
         "--finetune-from-model", job.checkpoint, "--freeze-base", "--proposal-heads", job.proposal_heads,
         "--head-type", job.head_type, "--head-vocab", job.head_vocab, "--head-ffn-dim", job.head_ffn_dim,
         "--criterion", "blockwise_cross_entropy", "--label-smoothing", 0.1,
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", 1e-3, "--lr-scheduler", "inverse_sqrt",
-        "--warmup-updates", min(200, max(1, updates // 5)), "--warmup-init-lr", 1e-7, "--clip-norm", 1.0,
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", 2e-3, "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", min(100, max(1, updates // 5)), "--warmup-init-lr", 1e-7, "--clip-norm", 1.0, *bf16,
         "--max-tokens", job.max_tokens, "--required-batch-size-multiple", 1, "--max-update", updates,
-        "--save-dir", run.file("train"), "--save-interval-updates", min(250, max(10, updates // 10)),
+        "--save-dir", run.file("train"), "--save-interval-updates", min(250, max(10, updates // 4)),
         "--keep-interval-updates", 1, "--no-epoch-checkpoints", "--validate-interval", 10**6,
         "--log-format", "simple", "--log-interval", min(50, max(1, updates // 20)), "--seed", 1,
         *job.cpu, *job.train_flags,
@@ -194,7 +215,7 @@ def train(run, job):
         to_file.close()
     shutil.copy(last, run.file("checkpoint.pt.tmp"))
     os.replace(run.file("checkpoint.pt.tmp"), run.file("checkpoint.pt"))
-    return {"updates": updates}
+    return {"updates": updates, "head_loss_bf16": bool(bf16)}
 
 
 def rates(run, job):
@@ -218,15 +239,19 @@ def rates(run, job):
 def check(run, job):
     """Step 4: blockwise decoding of the valid split is the original's greedy output, token for token."""
     output, log = run.file("text", "blockwise-valid.txt"), run.file("logs", "blockwise-valid.log")
-    say(f"about {minutes(run.record['steps']['distil']['greedy_valid_seconds'])} (the greedy pass took that)")
     # fairseq-generate itself, in a process of its own: the command a user runs, and the one
     # that prints the run's acceptance summary as it exits.
+    time_left = TimeLeft(BATCHES, "batches")
     with open(output, "w") as out, open(log, "w") as err:
-        done = subprocess.run([sys.executable, "-m", "fairseq_cli.generate", job.data, "--path", run.file("checkpoint.pt"),
-                               "--user-dir", PLUGIN, "--task", "translation_blockwise", "--blockwise",
-                               "--gen-subset", "valid", "--source-lang", job.src, "--target-lang", job.tgt,
-                               *map(str, job.batching)], stdout=out, stderr=err)
-    if done.returncode:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "fairseq_cli.generate", job.data, "--path", run.file("checkpoint.pt"),
+             "--user-dir", PLUGIN, "--task", "translation_blockwise", "--blockwise", "--gen-subset", "valid",
+             "--source-lang", job.src, "--target-lang", job.tgt, *map(str, job.batching)],
+            stdout=out, stderr=subprocess.PIPE, text=True)
+        for line in process.stderr:
+            err.write(line)
+            time_left.read(line)
+    if process.wait():
         refuse(f"fairseq-generate --blockwise failed (log: {log})")
     expected, got = hypotheses(run.file("text", "greedy-valid.txt")), hypotheses(output)
     differ = [i for i in sorted(expected) if got.get(i) != expected[i]]
