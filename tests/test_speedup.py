@@ -14,7 +14,7 @@ import torch
 from cli_support import ENV, TRAIN, assert_same_hypotheses, hypotheses, run, write_corpus
 from conftest import PLUGIN
 
-from fairseq_bpd import speedup
+from fairseq_bpd import speedup, speedup_steps
 
 ROOT = os.path.dirname(PLUGIN)
 UPDATES = 20
@@ -170,3 +170,33 @@ def test_an_output_directory_with_another_runs_files_is_refused_and_left_alone(m
                       "--proposal-heads", 3, "--num-workers", 0)
     assert message.startswith(f"error: OUT {made['out']} holds another run's files (its speedup.json has other "
                               "source, source_sha256)")
+
+
+def test_a_blockwise_output_that_is_not_the_greedy_output_fails_the_check(made, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(made["out"], out)
+    record = json.loads((out / "speedup.json").read_text())
+    del record["steps"]["check"], record["steps"]["speed"]
+    (out / "speedup.json").write_text(json.dumps(record))
+    reference = (out / "text" / "greedy-valid.txt").read_text().splitlines()
+    changed = next(i for i, line in enumerate(reference) if line.startswith("H-"))
+    reference[changed] += " t0"  # as if the heads had changed one translation
+    (out / "text" / "greedy-valid.txt").write_text("\n".join(reference) + "\n")
+    status, output = speed_up(made["base"], made["data"], made["raw"] / "train.de", out, "--updates", UPDATES,
+                              "--proposal-heads", 3, "--cpu", "--num-workers", 0)
+    assert status != 0
+    assert "error: the check failed: blockwise output differs from CHECKPOINT's greedy output on 1 of 20" in output
+    assert "check" not in json.loads((out / "speedup.json").read_text())["steps"]
+
+
+def test_without_scripts_tree_rates_the_step_is_skipped_and_said(made, monkeypatch, capsys):
+    monkeypatch.setattr(speedup_steps, "TREE_RATES", "/nonexistent/tree_rates.py")
+    assert speedup_steps.rates(None, None) is None
+    assert "skipped: scripts/tree_rates.py comes with the repository" in capsys.readouterr().out
+
+
+def test_a_source_of_unknown_tokens_draws_a_warning(made, tmp_path, capsys):
+    raw = tmp_path / "raw.de"
+    raw.write_text("Und Gott sprach: Es werde Licht!\n")
+    assert speedup.check_source(str(raw), str(made["data"]), "de") == 1
+    assert "warning: 100% of SOURCE's tokens are not in DATA's dict.de.txt" in capsys.readouterr().out
