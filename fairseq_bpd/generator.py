@@ -68,8 +68,11 @@ class Batch:
 
     sentence: b, ids in the input batch; tokens: b x L, BOS then the output; scores:
     b x L, the running score after each output (float32, as fairseq keeps it, whatever
-    torch's default dtype); attn: b x S x L or None; length: b,
-    outputs so far; cached: b, decoder inputs in the cache; invocations: b.
+    torch's default dtype); score: b, the last of them (0 before any output); attn:
+    b x S x L or None; length: b, outputs so far; cached: b, decoder inputs in the cache;
+    offsets: 1..L, the columns after a sentence's last output (kept, not made per block).
+    Every sentence takes part in every invocation until it finishes, so the loop counts
+    invocations once, not per sentence.
     """
 
     def __init__(self, **fields):
@@ -78,15 +81,17 @@ class Batch:
     def select(self, rows):
         """Keep the sentences at `rows` (b')."""
         for name, value in vars(self).items():
-            if value is not None:
+            if value is not None and name != "offsets":
                 setattr(self, name, value[rows])
 
     def store(self, outputs, output_scores, added, block_attn, pad):
         """Write a block's outputs b x n after each sentence's; outputs past `added` read pad."""
-        columns = self.length[:, None] + 1 + torch.arange(outputs.size(1), device=outputs.device)
-        is_added = columns <= self.length[:, None] + added[:, None]
-        self.tokens.scatter_(1, columns, torch.where(is_added, outputs, pad))
-        self.scores.scatter_(1, columns - 1, output_scores.to(self.scores))
+        offsets = self.offsets[: outputs.size(1)]  # n: 1, 2, ...
+        columns = self.length[:, None] + offsets  # b x n
+        output_scores = output_scores.to(self.scores)
+        self.tokens.scatter_(1, columns, torch.where(offsets <= added[:, None], outputs, pad))
+        self.scores.scatter_(1, columns - 1, output_scores)
+        self.score = output_scores.gather(1, added[:, None] - 1)[:, 0]
         if block_attn is not None:
             if self.attn is None:
                 self.attn = self.scores.new_zeros(*block_attn.shape[::2], self.scores.size(1))
@@ -176,33 +181,38 @@ class BlockwiseGenerator(nn.Module):
         finalized = [[] for _ in range(src_tokens.size(0))]
         self.policy.start()
 
-        first_pass = True  # on BOS alone: it verifies nothing, so it is no accepted block
+        invocations = 0  # every sentence still here took part in each
         while True:
             # 1. One decoder pass over the block: the last committed token, then the candidates.
             tree = layout.upto(proposals.size(1))
-            if tree.is_chain:  # b x n-1: head depth+1, its rank (a chain's: each head's best)
-                nodes = proposals[:, :, 0]
+            if proposals.size(1) == 0:  # a block of one
+                block = token
             else:
-                nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]
-            block = torch.cat([token, nodes], dim=1)  # b x n
+                if tree.is_chain:  # b x n-1: head depth+1, its rank (a chain's: each head's best)
+                    nodes = proposals[:, :, 0]
+                else:
+                    nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]
+                block = torch.cat([token, nodes], dim=1)  # b x n
             n = block.size(1)
             steps = batch.length[:, None] + tree.depth  # b x n: the step each output predicts
-            features, block_attn = decoder.forward_block(
-                block, steps.clamp(max=max_len), encoder_out, incremental_state, tree.mask
-            )
-            batch.invocations += 1
-            lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree, src_lengths[batch.sentence])
+            # Bounds known on the host: every length is at most the cache's width (cached ==
+            # length) and at least the invocations so far (each adds one output or more).
+            bounds = (invocations, decoder.cache_width(incremental_state) + tree.max_depth)
+            positions = steps if bounds[1] < max_len else steps.clamp(max=max_len)
+            features, block_attn = decoder.forward_block(block, positions, encoder_out, incremental_state, tree.mask)
+            invocations += 1
+            lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree,
+                                       src_lengths[batch.sentence] if self.match_source_len else None, bounds)
 
             # 2.-4. Verify the candidates with head 1, accept the deepest passing path, commit it.
             limit = max_len + 1 - batch.length  # no output past step max_len
             node, kept, outputs, output_scores, added, finished = self.verify_block(
-                lprobs, block, self.score(batch), limit, tree
+                lprobs, block, batch.score, limit, tree
             )
             path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
             self.policy.observe(n, kept, added, limit)
-            if not first_pass or self.block_size == 1:
+            if invocations > 1 or self.block_size == 1:  # the first, on BOS alone, verifies nothing
                 self.stats.accepted.update(added.tolist())
-            first_pass = False
             if block_attn is not None and not tree.is_chain:  # a chain's path is the block itself
                 block_attn = along(path, block_attn)[0]
             batch.store(outputs, output_scores, added, block_attn, self.pad)
@@ -210,11 +220,11 @@ class BlockwiseGenerator(nn.Module):
             # 5. Crop all but the accepted path out of the cache (and out of the proposer's state).
             batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
             self.proposer.crop(path, kept)
-            last = along(node[:, None], features)[0][:, 0]  # b x C
+            last = features[:, 0] if n == 1 else along(node[:, None], features)[0][:, 0]  # b x C
 
             # 6. Finished sentences leave the batch.
             if finished.any():
-                self.retire(batch, finished, finalized, src_lengths)
+                self.retire(batch, finished, finalized, src_lengths, invocations)
                 active = (~finished).nonzero()[:, 0]
                 if active.numel() == 0:
                     return finalized
@@ -265,28 +275,26 @@ class BlockwiseGenerator(nn.Module):
         return Batch(
             sentence=torch.arange(bsz, device=device), tokens=tokens,
             scores=torch.zeros(bsz, width, dtype=torch.float32, device=device), attn=None, length=length,
-            cached=torch.zeros_like(length), invocations=torch.zeros_like(length),
+            score=torch.zeros(bsz, dtype=torch.float32, device=device), cached=torch.zeros_like(length),
+            offsets=torch.arange(1, width + 1, device=device),
         )
 
-    @staticmethod
-    def score(batch):
-        """The float32 running score of each committed prefix: b."""
-        previous = batch.scores.gather(1, (batch.length - 1).clamp(min=0)[:, None])[:, 0]
-        return torch.where(batch.length > 0, previous, 0.0)
-
-    def retire(self, batch, finished, finalized, src_lengths):
-        """Hypotheses of the sentences that `finished` (b) marks, into `finalized`."""
+    def retire(self, batch, finished, finalized, src_lengths, invocations):
+        """Hypotheses of the sentences that `finished` (b) marks, into `finalized`; each took
+        part in all `invocations` so far."""
         for row in finished.nonzero()[:, 0].tolist():
             sentence = int(batch.sentence[row])
             finalized[sentence] = [
                 self.hypothesis(batch.tokens[row], batch.scores[row], batch.attn, row, int(batch.length[row]),
-                                int(batch.invocations[row]), src_lengths[sentence])
+                                invocations, src_lengths[sentence])
             ]
 
-    def head1_lprobs(self, features, steps, tokens, block, max_len, tree, src_lengths):
+    def head1_lprobs(self, features, steps, tokens, block, max_len, tree, src_lengths, bounds=(0, math.inf)):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V.
 
-        steps: b x n, the step each output predicts; src_lengths: b.
+        steps: b x n, the step each output predicts; src_lengths: b (under match_source_len);
+        bounds: host ints at most the least step and at least the greatest, which skip the
+        length constraints where they cannot bite without asking the device.
         """
         decoder = self.model.decoder
         logits = decoder.project(decoder.heads.head1_features(features))
@@ -300,13 +308,12 @@ class BlockwiseGenerator(nn.Module):
         lprobs[..., self.pad] = -math.inf
         if self.unk_penalty:
             lprobs[..., self.unk] -= self.unk_penalty
-        at_max_len = steps >= max_len
-        if at_max_len.any():  # skipped when it cannot bite: this runs once per invocation
+        if bounds[1] >= max_len:  # skipped when it cannot bite: this runs once per invocation
+            at_max_len = steps >= max_len
             not_eos = torch.arange(lprobs.size(2), device=lprobs.device) != self.eos
             lprobs.masked_fill_(at_max_len[..., None] & not_eos, -math.inf)
-        below_min_len = steps < self.min_len
-        if below_min_len.any():
-            lprobs[..., self.eos].masked_fill_(below_min_len, -math.inf)
+        if bounds[0] < self.min_len:
+            lprobs[..., self.eos].masked_fill_(steps < self.min_len, -math.inf)
         if self.repeat_ngram_blocker is not None:
             self.block_repeated_ngrams(lprobs, steps, tokens, block, max_len, tree)
         if self.match_source_len:  # fairseq's LengthConstrainedBeamSearch, after all the above
