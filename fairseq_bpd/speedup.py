@@ -10,13 +10,15 @@ OUT receives checkpoint.pt (k heads on the untouched model: Stern et al. 2018's 
 setting), checkpoint.tree-rates.json and speedup.json, the record of each finished step:
 
   1. distil  the model's greedy (--beam 1) output for SOURCE and for DATA's valid split
-  2. train   the heads alone on those targets (--finetune-from-model --freeze-base)
+  2. train   the heads alone on those targets (--finetune-from-model --freeze-base: head 1
+             not computed; --head-loss-bf16 where the machine has bfloat16)
   3. rates   their top-r acceptance rates on the valid split (scripts/tree_rates.py)
   4. check   fairseq-generate --blockwise on checkpoint.pt equals step 1's valid output
   5. speed   greedy vs blockwise at batch 1 on the first valid sentences, one run each
 
 A rerun skips the finished steps; an interrupted training resumes from fairseq's
-checkpoint_last.pt. The plugin never imports this module (fairseq_bpd/__init__.py).
+checkpoint_last.pt. A module rather than a script, so that an installed plugin has it too
+(without step 3, whose script is the clone's). The plugin never imports it.
 """
 import argparse
 import hashlib
@@ -34,6 +36,7 @@ from fairseq.models.transformer import TransformerModel
 from .model import BlockwiseTransformerModel
 from .speedup_steps import (
     DATE_FORMAT, LOG_FORMAT, PLUGIN, check, distil, minutes, model_options, rates, refuse, say, speed, train,
+    training_args,
 )
 
 STEPS = {  # in order: what each step does, as the command says it
@@ -224,6 +227,7 @@ def main(argv=None):
         **{name: getattr(job, name) for name in ("updates", "proposal_heads", "head_type", "head_vocab",
                                                  "head_ffn_dim", "max_tokens", "train_flags")},
     }
+    training_args(job, job.out)
     run = Run(job.out, inputs)
     for folder in ("logs", "text"):
         os.makedirs(run.file(folder), exist_ok=True)

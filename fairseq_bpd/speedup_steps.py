@@ -170,18 +170,17 @@ def bf16_is_fast(cpu):
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
-def train(run, job):
-    """Step 2: the heads alone on the distilled pairs, through fairseq's own training loop."""
-    import fairseq_cli.train
-    from fairseq import distributed_utils, options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+def training_args(job, out):
+    """fairseq-train's namespace for the heads, its model options the checkpoint's own. Built
+    before any step too: a flag fairseq-train refuses is refused before anything is written."""
+    from fairseq import options
 
     updates = job.updates
     # train_heads.sh's frozen settings. fairseq validates at each save inside an epoch, so a run
     # saves (and validates: the log's `block` estimate) about 4 times, and at the end.
     bf16 = ["--head-loss-bf16"] if bf16_is_fast(job.cpu) else []
     argv = [
-        run.file("distilled"), "--user-dir", PLUGIN, "--task", "translation_blockwise",
+        os.path.join(out, "distilled"), "--user-dir", PLUGIN, "--task", "translation_blockwise",
         "--source-lang", job.src, "--target-lang", job.tgt, "--arch", "transformer_blockwise",
         "--finetune-from-model", job.checkpoint, "--freeze-base", "--proposal-heads", job.proposal_heads,
         "--head-type", job.head_type, "--head-vocab", job.head_vocab, "--head-ffn-dim", job.head_ffn_dim,
@@ -189,7 +188,7 @@ def train(run, job):
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", 2e-3, "--lr-scheduler", "inverse_sqrt",
         "--warmup-updates", min(100, max(1, updates // 5)), "--warmup-init-lr", 1e-7, "--clip-norm", 1.0, *bf16,
         "--max-tokens", job.max_tokens, "--required-batch-size-multiple", 1, "--max-update", updates,
-        "--save-dir", run.file("train"), "--save-interval-updates", min(250, max(10, updates // 4)),
+        "--save-dir", os.path.join(out, "train"), "--save-interval-updates", min(250, max(10, updates // 4)),
         "--keep-interval-updates", 1, "--no-epoch-checkpoints", "--validate-interval", 10**6,
         "--log-format", "simple", "--log-interval", min(50, max(1, updates // 20)), "--seed", 1,
         *job.cpu, *job.train_flags,
@@ -197,6 +196,16 @@ def train(run, job):
     args = options.parse_args_and_arch(options.get_training_parser(), list(map(str, argv)))
     for name, value in model_options(job.state["cfg"].model).items():
         setattr(args, name, value)
+    return args
+
+
+def train(run, job):
+    """Step 2: the heads alone on the distilled pairs, through fairseq's own training loop."""
+    import fairseq_cli.train
+    from fairseq import distributed_utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    args, updates = training_args(job, run.out), job.updates
     watch = TimeLeft(r"num_updates[= ](\d+)", "updates", total=updates)
     to_file = logging.FileHandler(run.file("logs", "train.log"))
     to_file.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
@@ -215,7 +224,7 @@ def train(run, job):
         to_file.close()
     shutil.copy(last, run.file("checkpoint.pt.tmp"))
     os.replace(run.file("checkpoint.pt.tmp"), run.file("checkpoint.pt"))
-    return {"updates": updates, "head_loss_bf16": bool(bf16)}
+    return {"updates": updates, "head_loss_bf16": args.head_loss_bf16}
 
 
 def rates(run, job):

@@ -200,3 +200,11 @@ def test_a_source_of_unknown_tokens_draws_a_warning(made, tmp_path, capsys):
     raw.write_text("Und Gott sprach: Es werde Licht!\n")
     assert speedup.check_source(str(raw), str(made["data"]), "de") == 1
     assert "warning: 100% of SOURCE's tokens are not in DATA's dict.de.txt" in capsys.readouterr().out
+
+
+def test_a_flag_fairseq_train_refuses_is_refused_before_anything_is_written(made, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        speedup.main([str(made["base"]), str(made["data"]), str(made["raw"] / "train.de"), str(tmp_path / "out"),
+                      "--no-such-flag", "--cpu"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
