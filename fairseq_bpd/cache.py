@@ -145,8 +145,11 @@ class IncrementalCache:
 
 # A finished sentence's row stays in the static cache, masked, until this fraction of the
 # rows is finished; then the live rows are gathered to the front (one copy of their
-# entries). A finished row costs its share of every later pass; a compaction costs a copy.
-ROWS_COMPACT_AT = 0.25
+# entries). A finished row costs its share of every later pass; a compaction costs a copy
+# of the valid entries only. On a CPU, whose cost follows the rows, compacting at once
+# (0) measured as fast as any fraction and faster than never; a fixed-shape replay (a
+# CUDA graph per batch size) is what a positive fraction is for.
+ROWS_COMPACT_AT = 0.0
 # The columns a static cache starts with; it doubles when a block would not fit.
 COLUMNS = 64
 

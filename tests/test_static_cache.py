@@ -94,7 +94,7 @@ class Sentences:
         self.rows = [self.rows[i] for i in active.tolist()]
 
 
-@pytest.mark.parametrize("compact_at", [0.0, 0.25, 2.0])  # always, the default, never
+@pytest.mark.parametrize("compact_at", [0.0, 0.25, 2.0])  # at once (the default), at a fraction, never
 @pytest.mark.parametrize("tree", [None, TREE])
 def test_blocks_match_a_full_prefix_pass(data_dir, monkeypatch, compact_at, tree):
     """Random widths (1 to 4: equal lengths, then rows apart) or a tree's paths, random
