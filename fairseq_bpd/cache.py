@@ -10,8 +10,9 @@ and reads the source's keys from it, forward_block asks its width, and the gener
 crop (through the decoder) keeps the accepted entries. fairseq's own step and
 reorder_incremental_state read and write the same dict, so they keep working on it.
 
-A static cache (preallocated per batch and length, written in place) is a sibling class
-with the same methods, not a branch here.
+StaticCache, its sibling with the same methods, is the lean path's: keys and values
+preallocated for the batch and written in place, which fairseq's own layers do not read;
+the decoder picks it where block_layer understands every layer (decoder.cache).
 """
 import math
 
