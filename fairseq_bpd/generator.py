@@ -188,10 +188,10 @@ class BlockwiseGenerator(nn.Module):
             if proposals.size(1) == 0:  # a block of one
                 block = token
             else:
-                if tree.is_chain:  # b x n-1: head depth+1, its rank (a chain's: each head's best)
+                if tree.is_chain:  # b x n-1: each head's best
                     nodes = proposals[:, :, 0]
-                else:
-                    nodes = proposals[:, tree.depth[1:] - 1, tree.rank[1:]]
+                else:  # b x n-1: the proposer lays its candidates out as the tree, after `last` and `token`
+                    nodes = self.proposer.nodes(proposals, tree, last, token[:, 0], self.proposal_vocab, encoder_out)
                 block = torch.cat([token, nodes], dim=1)  # b x n
             n = block.size(1)
             steps = batch.length[:, None] + tree.depth  # b x n: the step each output predicts

@@ -39,6 +39,15 @@ class Proposer:
         their log-probs over the proposal vocabulary: both b x width-1 x topn."""
         raise NotImplementedError
 
+    def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
+        """The block's candidates laid out as `tree` (tree.py; not the chain): tokens b x n-1.
+
+        proposals: b x width-1 x topn, what propose() returned after `features` and `token`
+        (the same arguments). Node v at depth d takes head d+1's rank-r_v proposal: a
+        proposer whose heads read no token has one distribution per head, whatever the path.
+        """
+        return proposals[:, tree.depth[1:] - 1, tree.rank[1:]]
+
     def logits(self, features, token, width, vocab=0, encoder_out=None):
         """Each proposal's logits over the proposal vocabulary (N entries; padding -inf):
         b x width-1 x N. Only for an independent proposer."""
@@ -247,8 +256,9 @@ class ChainedHeads(nn.Module, Proposer):
         (the Proposer protocol).
 
         Head 2 reads `token` (b, head 1's choice after `features`, the block's first
-        token), each later head its predecessor's best token, so with topn > 1 the
-        alternatives all follow the best chain.
+        token), each later head its predecessor's best token: the best chain, whose
+        alternatives at each head (topn > 1) follow it. A tree's nodes follow their own
+        parents instead (nodes()).
         """
         tokens, lprobs = [], []
         for i in range(width - 1):
@@ -261,6 +271,26 @@ class ChainedHeads(nn.Module, Proposer):
             empty = features.new_empty(features.size(0), 0, topn)
             return empty.long(), empty
         return torch.stack(tokens, dim=1), torch.stack(lprobs, dim=1)
+
+    def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
+        """A Hydra tree (Ankner et al., 2024): each node's children are proposed
+        after the node's own token, not after the best chain's (the Proposer protocol).
+
+        Node v at depth d, its token t_v chosen from features g_v (siblings share them), has
+        children among the best tokens of head d+2 after link(d, g_v, t_v); g_root is the
+        decoder output `features` (b x C), t_root `token` (b). One link and one projection per
+        depth over all its parents at once: b x P_d rows. propose()'s chain is the tree's
+        rank-0 path, its lprobs what --blockwise-confidence reads.
+        """
+        decoder = self.decoder
+        chosen = token.new_empty(token.size(0), tree.size)  # b x n: each node's token
+        chosen[:, 0] = token
+        g = features[:, None]  # b x P_d x C: the features each parent's token was chosen from
+        for d, (parents, sources, children, rows, ranks, topn) in enumerate(tree.hydra):
+            g = self.link(d, g[:, sources], chosen[:, parents])  # b x P_d x C: the children's features
+            best = decoding_logits(decoder, g, vocab).topk(topn, dim=-1)[1]  # b x P_d x topn
+            chosen[:, children] = best[:, rows, ranks]
+        return chosen[:, 1:]
 
 
 HEAD_TYPES = {"independent": ProposalHeads, "chained": ChainedHeads}

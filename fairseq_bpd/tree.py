@@ -83,7 +83,8 @@ class Tree:
     depth, rank: n (the root: 0 and 0); parents: n (the root: 0); paths: n x D+1,
     each node's ancestors by depth, itself at its depth (padding repeats it); mask:
     n x n, 0 where a node may attend (its ancestors and itself) and -inf elsewhere;
-    chain: n, whether every choice on the path is a top choice (the chain's nodes).
+    chain: n, whether every choice on the path is a top choice (the chain's nodes);
+    hydra: per depth, what chained heads need to propose it after each parent (hydra_plan).
     """
 
     def __init__(self, paths):
@@ -111,7 +112,22 @@ class Tree:
         self.levels = [
             ((self.depth == d).nonzero()[:, 0], self.parents[self.depth == d]) for d in range(1, self.max_depth + 1)
         ]
+        self.hydra = self.hydra_plan()
         self._prefixes = {}
+
+    def hydra_plan(self):
+        """Per depth d = 1..D, how chained heads propose the depth-d nodes after their own
+        parents (ChainedHeads.nodes): the parents P_d (the depth d-1 nodes with children),
+        the row of P_{d-1} each one's token was chosen from, the depth-d nodes, the row of P_d
+        of each one's parent, their ranks, and the ranks the depth uses (an int)."""
+        plan, rows = [], {0: 0}  # rows: node -> its row among its depth's parents
+        for nodes, parents in self.levels:
+            unique = sorted(set(parents.tolist()))
+            above, rows = rows, {p: r for r, p in enumerate(unique)}
+            ranks = self.rank[nodes]
+            plan.append((torch.tensor(unique), torch.tensor([above[int(self.parents[p])] for p in unique]),
+                         nodes, torch.tensor([rows[p] for p in parents.tolist()]), ranks, 1 + int(ranks.max())))
+        return plan
 
     @classmethod
     def chain_of(cls, proposals):
@@ -144,6 +160,7 @@ class Tree:
         for name in ("depth", "rank", "parents", "chain", "paths", "ancestors", "mask"):
             setattr(self, name, getattr(self, name).to(device))
         self.levels = [(nodes.to(device), parents.to(device)) for nodes, parents in self.levels]
+        self.hydra = [(*(t.to(device) for t in depth[:-1]), depth[-1]) for depth in self.hydra]
         for prefix in self._prefixes.values():
             prefix.to(device)
         return self

@@ -4,8 +4,10 @@
 Decodes --subset greedily (blockwise, which is exactly greedy), then feeds each
 output back teacher-forced and counts, for head h (2..k) and rank r, how often the
 head's rank-r proposal at a position is the greedy token h-1 steps later: the path
-exact decoding must reproduce. Writes {"rates": heads x ranks, ...} as JSON beside
-the checkpoint (CKPT without .pt, plus .tree-rates.json), for --blockwise-tree-rates.
+exact decoding must reproduce. Chained heads read that path's tokens (teacher-forced),
+as each node of a --blockwise-tree reads its own parent's token. Writes {"rates": heads
+x ranks, ...} as JSON beside the checkpoint (CKPT without .pt, plus .tree-rates.json),
+for --blockwise-tree-rates.
 
   .venv/bin/python scripts/tree_rates.py --data DATA --path CKPT [--subset valid] \
       [--max-sentences 500] [--batch-size 32] [--out FILE]
@@ -18,6 +20,7 @@ import torch
 from fairseq.data import data_utils
 
 from fairseq_bpd.bench import add_data_args, batches, load
+from fairseq_bpd.heads import best_tokens
 from fairseq_bpd.options import BlockwiseOptions
 from fairseq_bpd.tree import MAX_RANK
 
@@ -41,11 +44,12 @@ def count_hits(model, net_input, outputs, proposal_vocab=0, ranks=MAX_RANK):
     previous = data_utils.collate_tokens(outputs, pad, eos, move_eos_to_beginning=True)
     encoder_out = model.encoder.forward_torchscript(net_input)
     features, _ = decoder.extract_features(previous, encoder_out=encoder_out)  # B x T x C
-    B, T, C = features.shape
+    T = features.size(1)
     k = decoder.proposal_heads
-    # Head 1's choice after each position is the greedy output there (chained heads read it).
-    tokens, _ = decoder.heads.propose(features.reshape(B * T, C), target.reshape(B * T), k, proposal_vocab, ranks)
-    tokens = tokens.view(B, T, k - 1, -1)  # B x T x k-1 x ranks
+    # Teacher-forced on greedy's path: chained heads read its tokens, as a tree's node reads
+    # its parent's token, which is greedy's wherever the parent is accepted.
+    heads = decoder.heads.block_features(features, k, previous)[:, :, 1:]  # B x T x k-1 x C
+    tokens, _ = best_tokens(decoder, heads, proposal_vocab, ranks)  # B x T x k-1 x ranks
     hits = torch.zeros(k - 1, tokens.size(-1), dtype=torch.long)
     trials = torch.zeros(k - 1, dtype=torch.long)
     for h in range(k - 1):

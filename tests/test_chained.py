@@ -9,7 +9,7 @@ from test_criterion import SMOOTHING, criterion, translation_batch
 from test_generator import Oracle, assert_same, blockwise, greedy
 
 from fairseq_bpd.generator import BlockwiseGenerator
-from fairseq_bpd.heads import ChainedHeads, ProposalHeads, following_tokens
+from fairseq_bpd.heads import ChainedHeads, ProposalHeads, best_tokens, following_tokens
 
 CHAINED = ("--head-type", "chained")
 
@@ -184,7 +184,7 @@ def test_a_config_from_before_head_type_builds_independent_heads(data_dir):
 
 def test_tree_rates_are_measured_for_chained_heads(data_dir):
     """scripts/tree_rates.py counts each head's rank-r hits teacher-forced on greedy's outputs:
-    chained heads read head 1's choice at each position, greedy's next output."""
+    chained heads read greedy's path, as a Hydra tree's node reads its accepted parent's token."""
     import os
     import sys
 
@@ -195,7 +195,8 @@ def test_tree_rates_are_measured_for_chained_heads(data_dir):
     sample = random_sample(task, bsz=5, seed=6)
     outputs = [e["tokens"] for e in greedy(model, task, sample, max_len_b=8)]
     hits, trials = count_hits(model, sample["net_input"], outputs, ranks=3)
-    # The same counts, position by position: heads 2..4 after greedy's prefix, from its next token.
+    # The same counts, position by position: heads 2..4 after greedy's prefix, each reading
+    # greedy's token before the one it predicts.
     encoder_out = model.encoder.forward_torchscript(sample["net_input"])
     expected_hits, expected_trials = torch.zeros_like(hits), torch.zeros_like(trials)
     eos = task.target_dictionary.eos()
@@ -204,10 +205,11 @@ def test_tree_rates_are_measured_for_chained_heads(data_dir):
             one = model.encoder.reorder_encoder_out(encoder_out, torch.tensor([i]))
             features, _ = model.decoder.extract_features(torch.cat([torch.tensor([eos]), output[:-1]])[None], one)
             for t in range(len(output)):
-                proposals, _ = model.decoder.heads.propose(features[:, t], output[t : t + 1], 4, topn=3)
-                for h in range(3):
-                    if t + h + 1 < len(output):
-                        expected_trials[h] += 1
-                        expected_hits[h] += (proposals[0, h] == output[t + h + 1]).long()
+                f = features[:, t]
+                for h in range(min(3, len(output) - t - 1)):
+                    f = model.decoder.heads.link(h, f, output[t + h : t + h + 1])
+                    proposals = best_tokens(model.decoder, f, 0, 3)[0][0]
+                    expected_trials[h] += 1
+                    expected_hits[h] += (proposals == output[t + h + 1]).long()
     assert trials.tolist() == expected_trials.tolist() and trials.min() > 0
     assert hits.tolist() == expected_hits.tolist() and hits.sum() > 0
