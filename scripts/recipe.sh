@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The whole recipe behind models/demo/: corpus -> base transformer -> greedy
-# self-distillation of 8,000 training sources -> 8 proposal heads fine-tuned with the
-# base on those targets -> packed checkpoint. The defaults are the commands and update
-# counts that made the shipped model (models/demo/manifest.json): about 5 minutes of
-# training on one H200 (../shared/gpu/README.md runs these scripts there unchanged);
-# on a 2-core CPU the same updates take many hours, so lower BASE_UPDATES / HEAD_UPDATES
-# to trade quality for time. Every step resumes or skips what is already done.
+# The recipe behind models/demo/'s base: corpus -> base transformer -> greedy
+# self-distillation of 8,000 training sources -> 8 independent proposal heads fine-tuned
+# with the base on those targets -> packed checkpoint. The defaults are the commands and
+# update counts that made the base (models/demo/manifest.json): about 5 minutes of
+# training on one H200; on a 2-core CPU the same updates take many hours, so lower
+# BASE_UPDATES / HEAD_UPDATES to trade quality for time. The shipped heads are chained
+# heads trained on that base, frozen, by scripts/recipe_chained.sh (BASE= the unpacked
+# checkpoint this script packs). Every step resumes or skips what is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-work}; K=${K:-8}
