@@ -51,10 +51,11 @@ def restore_checkpoint(work, manifest, data):
             f"error: {dictionary} differs from the dictionary the shipped checkpoint was trained "
             "with; rebuild data/bible-bin with scripts/prepare_data.py defaults, or retrain with "
             "scripts/recipe.sh")
-    checkpoint = os.path.join(work, "checkpoint.pt")
-    if not os.path.exists(checkpoint):
+    checkpoint, packed = os.path.join(work, "checkpoint.pt"), os.path.join(MODEL_DIR, "checkpoint.int4.pt")
+    # Unpacked again when the shipped file is newer (a pull that ships new heads).
+    if not os.path.exists(checkpoint) or os.path.getmtime(packed) > os.path.getmtime(checkpoint):
         step("restoring the shipped checkpoint")
-        run("scripts/pack_checkpoint.py", "unpack", os.path.join(MODEL_DIR, "checkpoint.int4.pt"), checkpoint)
+        run("scripts/pack_checkpoint.py", "unpack", packed, checkpoint)
     return checkpoint
 
 
