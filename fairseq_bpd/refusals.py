@@ -7,7 +7,9 @@ options against a model and its dictionary, when a generator is built for them
 (refuse_for_model). Every refusal raises BlockwiseRequestError (errors.py).
 """
 import dataclasses
+import numbers
 import os
+from typing import Optional
 
 from fairseq.dataclass.configs import GenerationConfig
 
@@ -85,6 +87,7 @@ RULE_FLAGS = (("--blockwise-topk", "topk", 1), ("--blockwise-min-block", "min_bl
 
 def refuse_options(options):
     """Refuse what BlockwiseOptions mean nothing with, whatever the model (see refuse_for_model)."""
+    refuse_kinds(options)
     refuse_sampling(options)
     if not options.temperature > 0:
         refuse(f"--temperature must be greater than 0 (got {options.temperature})")
@@ -101,6 +104,32 @@ def refuse_options(options):
         refuse(f"--blockwise-tree must be between 0 (the chain) and {MAX_TREE} nodes (got {options.tree})")
     if isinstance(options.tree_rates, (str, os.PathLike)) and not options.tree:
         refuse("--blockwise-tree-rates shapes a tree; give --blockwise-tree N too")
+
+
+# What each annotated kind of BlockwiseOptions field takes. A bool is no count or number here:
+# Python's True == 1 would pass as a block size of one.
+KINDS = {
+    bool: ("True or False", lambda value: isinstance(value, bool)),
+    int: ("an integer", lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool)),
+    float: ("a number", lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool)),
+}
+
+
+def refuse_kinds(options):
+    """Refuse a field of the wrong kind by name: from Python ('3', 2.5 or True for a count), where
+    a later comparison would raise a bare TypeError or take the value silently. fairseq's parser
+    hands over typed values."""
+    for option in dataclasses.fields(options):
+        value, kind = getattr(options, option.name), option.type
+        if kind == Optional[int]:
+            if value is None:
+                continue
+            kind = int
+        if kind not in KINDS:  # tree_rates: a table or a path, read by load_rates
+            continue
+        what, fits = KINDS[kind]
+        if not fits(value):
+            refuse(f"BlockwiseOptions.{option.name} must be {what} (got {value!r})")
 
 
 def refuse_sampling(options):

@@ -70,6 +70,22 @@ def test_options_refuse_when_built(fields, message):
         BlockwiseOptions(**fields)
 
 
+@pytest.mark.parametrize("fields", [
+    {"block_size": "3"}, {"block_size": 2.5}, {"block_size": True}, {"min_block": "2"}, {"tree": 2.5},
+    {"confidence": "0.3"}, {"adaptive": 1}, {"max_len_b": None},
+])
+def test_a_field_of_the_wrong_kind_is_refused_by_name(fields):
+    """From Python a count given as a string, a float or a bool would raise a bare TypeError later or
+    pass silently (True as a block of one); the refusal names the field, also through replace()."""
+    (name, value), = fields.items()
+    message = f"^--blockwise: BlockwiseOptions.{name} must be "
+    with pytest.raises(BlockwiseRequestError, match=message):
+        BlockwiseOptions(**fields)
+    with pytest.raises(BlockwiseRequestError, match=message):
+        BlockwiseOptions().replace(**fields)
+    assert BlockwiseOptions(block_size=3, confidence=1, max_len_a=1).block_size == 3  # ints are numbers
+
+
 def test_the_options_build_the_generator_they_ask_for(data_dir):
     task, model, _ = build(data_dir, "--block-size", "4")
     d, stats = task.target_dictionary, BlockwiseStats()
