@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Greedy self-distillation (issue 12): translate a monolingual source file with the
+# Greedy self-distillation: translate a monolingual source file with the
 # base's own greedy search (--beam 1) and binarise the pairs, with DATA's dictionaries,
 # as split SPLIT of OUT. With a frozen base (--head-layout base --freeze-base) head 1
 # IS the base, so head i trained on these targets learns exactly what verification

@@ -33,20 +33,16 @@ def users_stack(directory):
 
 
 def python(env, *args):
-    """Run `env`'s Python outside this checkout (where `import fairseq_bpd` would find it); its output."""
+    """Run `env`'s Python outside this checkout (where `import fairseq_bpd` would find it); the finished process."""
     process = subprocess.run([os.path.join(env, "bin", "python"), *map(str, args)], capture_output=True,
                              text=True, env=ENV, timeout=600, cwd=os.path.dirname(env))
-    output = process.stdout + process.stderr
-    assert process.returncode == 0, f"exited {process.returncode}:\n{output[-4000:]}"
-    return output
+    assert process.returncode == 0, f"exited {process.returncode}:\n{(process.stdout + process.stderr)[-4000:]}"
+    return process
 
 
 def printed(env, code):
     """The last line a Python snippet prints to stdout in `env` (fairseq logs to stderr)."""
-    process = subprocess.run([os.path.join(env, "bin", "python"), "-c", code], capture_output=True, text=True,
-                             env=ENV, timeout=300, cwd=os.path.dirname(env))
-    assert process.returncode == 0, process.stderr[-4000:]
-    return process.stdout.splitlines()[-1]
+    return python(env, "-c", code).stdout.splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +83,8 @@ def test_user_dir_at_the_installed_copy_decodes_as_greedy(installed, tmp_path_fa
     assert user_dir == os.path.join(env_site, "fairseq_bpd")
     common = [tiny.data, "--path", tiny.checkpoint, "--task", "translation_blockwise", "--gen-subset", "test",
               "--cpu", "--max-tokens", "500"]
-    blockwise = python(env, "-m", "fairseq_cli.generate", *common, "--user-dir", user_dir, "--blockwise")
+    process = python(env, "-m", "fairseq_cli.generate", *common, "--user-dir", user_dir, "--blockwise")
+    blockwise = process.stdout + process.stderr
     greedy = run("fairseq-generate", *common, "--user-dir", PLUGIN, "--beam", "1")  # fairseq's own search
     assert hypotheses(blockwise) and {i: t for i, (_, t) in hypotheses(blockwise).items()} == {
         i: t for i, (_, t) in hypotheses(greedy).items()}
