@@ -132,7 +132,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         )
         if incremental_state is None:
             # Computed here, not in the criterion, so DDP sees every head used in forward.
-            extra["block_features"] = self.heads.block_features(x, inputs=prev_output_tokens)
+            extra["block_features"] = self.heads.block_features(x, inputs=prev_output_tokens, encoder_out=encoder_out)
             x = extra["block_features"][..., 0, :]
         else:
             # fairseq's own step-by-step search only needs head 1.

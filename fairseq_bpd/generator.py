@@ -219,7 +219,7 @@ class BlockwiseGenerator(nn.Module):
 
             # 5. Crop all but the accepted path out of the cache (and out of the proposer's state).
             batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
-            self.proposer.crop(path, kept)
+            self.proposer.keep(path, kept, features, block)
             last = features[:, 0] if n == 1 else along(node[:, None], features)[0][:, 0]  # b x C
 
             # 6. Finished sentences leave the batch.

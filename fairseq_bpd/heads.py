@@ -60,6 +60,11 @@ class Proposer:
     def reorder(self, rows):
         """Only the sentences at `rows` (b') stay in the batch, in that order: reorder any state."""
 
+    def keep(self, path, kept, features, block):
+        """crop(path, kept), told also the block's features b x n x C and tokens b x n, for a
+        proposer that feeds its state the accepted positions (the draft decoder)."""
+        self.crop(path, kept)
+
 
 def shortlist_problem(flag, vocab, dictionary):
     """Why `vocab` (given as `flag`) is no shortlist of `dictionary`'s first entries; None if it is."""
@@ -106,10 +111,11 @@ class ProposalHeads(nn.Module, Proposer):
         h = self.dropout(nn.functional.linear(hidden, self.fc2.weight[:rows], self.fc2.bias[:rows]))
         return x.unsqueeze(-2) + h.view(*x.shape[:-1], count, x.size(-1))
 
-    def block_features(self, x, count=None, inputs=None):
+    def block_features(self, x, count=None, inputs=None, encoder_out=None):
         """Features of the first `count` heads (default all k): ... x C -> ... x count x C.
 
-        inputs (the decoder's input tokens) is for heads that read tokens (ChainedHeads).
+        inputs (the decoder's input tokens) is for heads that read tokens (ChainedHeads),
+        encoder_out for heads that read the source (the draft decoder).
         """
         count = self.block_size if count is None else count
         if self.num_heads == 0 or count == 1 and self.layout == "base":
@@ -186,6 +192,14 @@ def following_tokens(inputs, pad, eos):
     return following.masked_fill(~real, pad)
 
 
+def after_head1(heads, head_type, decoder, block_size, layout):
+    """Attach `heads` of `head_type`, which follow head 1 (the decoder's own output), to `decoder`."""
+    if layout != "base":
+        raise BlockwiseRequestError(f"--head-type {head_type} needs --head-layout base: head 1 is the decoder's own output")
+    heads.__dict__["decoder"] = decoder  # not registered: no second copy in state_dict
+    heads.block_size, heads.layout = block_size, layout
+
+
 class ChainedHeads(nn.Module, Proposer):
     """Heads 2..k in a chain, each told the token the head before it predicts.
 
@@ -204,10 +218,7 @@ class ChainedHeads(nn.Module, Proposer):
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()
-        if layout != "base":
-            raise BlockwiseRequestError("--head-type chained needs --head-layout base: head 1 is the decoder's own output")
-        self.__dict__["decoder"] = decoder  # not registered: no second copy in state_dict
-        self.block_size, self.layout = block_size, layout
+        after_head1(self, "chained", decoder, block_size, layout)
         embed_dim, token_dim = decoder.output_embed_dim, decoder.embed_tokens.embedding_dim
         links = range(block_size - 1)
         self.fc_in = nn.ModuleList([nn.Linear(embed_dim + token_dim, ffn_dim) for _ in links])
@@ -226,7 +237,7 @@ class ChainedHeads(nn.Module, Proposer):
         hidden = self.activation_fn(self.fc_in[i](torch.cat([features, embedded], dim=-1)))
         return features + self.dropout(self.fc_out[i](hidden))
 
-    def block_features(self, x, count=None, inputs=None):
+    def block_features(self, x, count=None, inputs=None, encoder_out=None):
         """Teacher-forced features of the first `count` heads: x B x T x C -> B x T x count x C.
 
         inputs: B x T, the decoder's input tokens; head i+1 reads the reference token
@@ -293,4 +304,6 @@ class ChainedHeads(nn.Module, Proposer):
         return chosen[:, 1:]
 
 
-HEAD_TYPES = {"independent": ProposalHeads, "chained": ChainedHeads}
+from .draft import DraftDecoder  # noqa: E402 (it builds on this module's Proposer)
+
+HEAD_TYPES = {"independent": ProposalHeads, "chained": ChainedHeads, "draft": DraftDecoder}

@@ -61,7 +61,9 @@ class BlockwiseHeadsConfig(FairseqDataclass):
         metadata={
             "help": "independent: the paper's heads, each guessing its token alone; "
             "chained: head i also reads the embedding of the token head i-1 predicts "
-            "(Hydra; needs --head-layout base)"
+            "(Hydra; needs --head-layout base); draft: one decoder layer that reads the "
+            "base's features, the next token and the encoder output, run step by step "
+            "(EAGLE for encoder-decoders; needs --head-layout base)"
         },
     )
     head_vocab: int = field(

@@ -48,7 +48,7 @@ def count_hits(model, net_input, outputs, proposal_vocab=0, ranks=MAX_RANK):
     k = decoder.proposal_heads
     # Teacher-forced on greedy's path: chained heads read its tokens, as a tree's node reads
     # its parent's token, which is greedy's wherever the parent is accepted.
-    heads = decoder.heads.block_features(features, k, previous)[:, :, 1:]  # B x T x k-1 x C
+    heads = decoder.heads.block_features(features, k, previous, encoder_out)[:, :, 1:]  # B x T x k-1 x C
     tokens, _ = best_tokens(decoder, heads, proposal_vocab, ranks)  # B x T x k-1 x ranks
     hits = torch.zeros(k - 1, tokens.size(-1), dtype=torch.long)
     trials = torch.zeros(k - 1, dtype=torch.long)

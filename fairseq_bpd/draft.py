@@ -1,0 +1,268 @@
+"""--head-type draft: one decoder layer that reads the source drafts heads 2..k.
+
+Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML
+2024, for a decoder-only model: one layer fed, at each position, the base's top-layer
+features f_j and the embedding of the next token x_{j+1}, run autoregressively. Here it is
+the encoder-decoder version: the layer also attends to the base's encoder output (where
+the words still to be translated are), as SpecDec's drafter does (Xia et al., 2023).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from fairseq import utils
+from fairseq.modules import LayerNorm, MultiheadAttention
+
+from .errors import BlockwiseRequestError
+from .heads import Proposer, after_head1, best_tokens, following_tokens, shortlist_logits
+from .targets import shift_target
+
+
+def split_heads(x, heads):
+    """b x L x C -> b x H x L x C/H."""
+    return x.view(*x.shape[:2], heads, -1).transpose(1, 2)
+
+
+def attend(attention, x, keys, values, allowed):
+    """`attention`'s projections around scaled dot-product attention.
+
+    x: b x m x C queries; keys, values: b x H x L x d (projected); allowed: b x m x L
+    (or broadcastable) bools, True where a query may attend. Returns b x m x C.
+    """
+    q = split_heads(attention.q_proj(x), attention.num_heads)  # b x H x m x d
+    y = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None])
+    return attention.out_proj(y.transpose(1, 2).reshape(x.shape))
+
+
+def keys_values(attention, x):
+    """Projected keys and values of x b x L x C: both b x H x L x d."""
+    h = attention.num_heads
+    return split_heads(attention.k_proj(x), h), split_heads(attention.v_proj(x), h)
+
+
+class DraftState:
+    """What the draft keeps across a batch's blocks, one row per sentence.
+
+    keys, values: b x H x L x d, its self-attention entries (columns past `length` are a
+    proposal's and are overwritten); length: b, entries of the accepted prefix; source:
+    the encoder output's keys and values b x H x S x d and its padding b x S; pending:
+    the accepted positions not yet fed (features b x M x C, their next tokens b x M,
+    and how many are real, b); encoder: the encoder tensor these belong to.
+    """
+
+    def __init__(self, keys, values, source_keys, source_values, source_allowed, encoder):
+        self.keys, self.values = keys, values
+        self.length = torch.zeros(keys.size(0), dtype=torch.long, device=keys.device)
+        self.source_keys, self.source_values, self.source_allowed = source_keys, source_values, source_allowed
+        self.pending = None
+        self.encoder = encoder
+
+    def select(self, rows):
+        for name in ("keys", "values", "length", "source_keys", "source_values", "source_allowed"):
+            setattr(self, name, getattr(self, name)[rows])
+        if self.pending is not None:
+            self.pending = tuple(t[rows] for t in self.pending)
+        self.encoder = None  # the generator reorders the encoder output too: adopt the next one
+
+    def reserve(self, columns):
+        """Room for `columns` entries in every row (doubling, so that growth is rare)."""
+        if columns > self.keys.size(2):
+            extra = max(columns, 2 * self.keys.size(2)) - self.keys.size(2)
+            pad = self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.size(3))
+            self.keys, self.values = torch.cat([self.keys, pad], dim=2), torch.cat([self.values, pad], dim=2)
+
+
+class DraftDecoder(nn.Module, Proposer):
+    """Heads 2..k as the autoregressive steps of one Transformer decoder layer.
+
+    Entry j of the draft reads z_j = W_in [f_j; E x_{j+1}] (f_j the base's top-layer
+    features at decoder input x_j), self-attends to the entries before it, attends to the
+    encoder output and passes a feed-forward layer (pre-norm); its output is
+    g_j = f_j + W_out(layer(z)), projected by the decoder's shared output projection over
+    --head-vocab: g_j predicts x_{j+2} (head 2). Head i+1 is the draft's i-th step after
+    the last accepted position: its entry reads its own previous output g and the token
+    head i predicts (the reference in training, head i's proposal in decoding), and
+    attends to the accepted prefix's entries and to its own earlier steps, exactly in
+    training (one pass per step over every position, each position's steps seeing only
+    their own) as in decoding. W_out starts at zero: every head starts as head 1.
+    """
+
+    independent = False  # each step reads the proposal before it
+
+    def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
+        super().__init__()
+        after_head1(self, "draft", decoder, block_size, layout)
+        embed_dim, token_dim = decoder.output_embed_dim, decoder.embed_tokens.embedding_dim
+        heads = decoder.cfg.decoder.attention_heads
+        self.fc_in = nn.Linear(embed_dim + token_dim, embed_dim)
+        self.self_attn_norm, self.encoder_attn_norm, self.ffn_norm, self.final_norm = (
+            LayerNorm(embed_dim) for _ in range(4))
+        self.self_attn = MultiheadAttention(embed_dim, heads, self_attention=True)
+        encoder_dim = decoder.cfg.encoder.embed_dim
+        self.encoder_attn = MultiheadAttention(embed_dim, heads, kdim=encoder_dim, vdim=encoder_dim,
+                                               encoder_decoder_attention=True)
+        self.fc1, self.fc2 = nn.Linear(embed_dim, ffn_dim), nn.Linear(ffn_dim, embed_dim)
+        self.fc_out = nn.Linear(embed_dim, embed_dim)
+        self.activation_fn = utils.get_activation_fn(activation_fn)
+        self.dropout = nn.Dropout(dropout)
+        nn.init.zeros_(self.fc_out.weight)
+        nn.init.zeros_(self.fc_out.bias)
+        self.state = None
+
+    # The layer, shared by training and decoding.
+
+    def entry(self, features, tokens):
+        """The layer's input: features ... x C, tokens ... -> ... x C."""
+        embedded = self.decoder.embed_scale * self.decoder.embed_tokens(tokens)  # ... x E
+        return self.fc_in(torch.cat([features, embedded], dim=-1))
+
+    def layer(self, z, features, keys, values, allowed, source):
+        """The layer over entries z b x m x C whose self-attention sees `keys`, `values`
+        (b x H x L x d) where `allowed` (b x m x L); source: the encoder's keys, values and
+        allowed columns. Returns the drafted features b x m x C."""
+        z = z + self.dropout(attend(self.self_attn, self.self_attn_norm(z), keys, values, allowed))
+        z = z + self.dropout(attend(self.encoder_attn, self.encoder_attn_norm(z), *source))
+        z = z + self.dropout(self.fc2(self.activation_fn(self.fc1(self.ffn_norm(z)))))
+        return features + self.dropout(self.fc_out(self.final_norm(z)))
+
+    def source(self, encoder_out):
+        """The encoder output's keys and values b x H x S x d, and where to attend b x 1 x S."""
+        if encoder_out is None or not encoder_out["encoder_out"]:
+            raise ValueError("the draft decoder reads the encoder output: pass encoder_out")
+        enc = encoder_out["encoder_out"][0].transpose(0, 1)  # b x S x C
+        padding = encoder_out["encoder_padding_mask"]
+        allowed = ~padding[0][:, None] if padding else enc.new_ones(enc.size(0), 1, enc.size(1), dtype=torch.bool)
+        return (*keys_values(self.encoder_attn, enc), allowed)
+
+    # Training: every position's steps at once, teacher-forced.
+
+    def block_features(self, x, count=None, inputs=None, encoder_out=None):
+        """Teacher-forced features of the first `count` heads: x B x T x C -> B x T x count x C.
+
+        inputs: B x T, the decoder's input tokens; encoder_out: the base's. Step i (head
+        i+1) at position j reads the reference token i steps after input j, and attends
+        to entries 0..j of step 1 (the accepted prefix) and to its own steps 2..i at j.
+        """
+        count = self.block_size if count is None else count
+        if count == 1:
+            return x.unsqueeze(-2)
+        if inputs is None:
+            raise ValueError("the draft decoder needs the decoder's input tokens")
+        decoder = self.decoder
+        following = following_tokens(inputs, decoder.padding_idx, decoder.dictionary.eos())  # B x T
+        source = self.source(encoder_out)
+        T = x.size(1)
+        real = inputs.ne(decoder.padding_idx)  # B x T
+        eye = torch.eye(T, dtype=torch.bool, device=x.device)
+        prefix = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        # Padding is never attended to, but each entry sees itself (no empty row).
+        prefix = (prefix & real[:, None, :]) | eye  # B x T x T
+        features, keys, values, allowed = [x], [], [], prefix
+        for i in range(count - 1):
+            z = self.entry(features[-1], shift_target(following, i, decoder.padding_idx))  # B x T x C
+            k, v = keys_values(self.self_attn, self.self_attn_norm(z))
+            keys.append(k)
+            values.append(v)
+            if i > 0:
+                allowed = torch.cat([allowed, eye.expand_as(prefix)], dim=-1)  # B x T x (i+1)T
+            features.append(self.layer(z, features[-1], torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                       allowed, source))
+        return torch.stack(features, dim=-2)
+
+    def head1_features(self, x):
+        """Head 1 is the decoder's own output: ... x C -> ... x C."""
+        return x
+
+    def proposal_logits(self, x):
+        """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
+        return shortlist_logits(self.decoder, x)
+
+    # Decoding: the Proposer protocol, with the draft's own cache.
+
+    def keep(self, path, kept, features, block):
+        """The accepted positions before the last (its features come with propose()) wait,
+        with their next tokens, to be fed on the next propose(): features b x n x C and
+        block b x n along path b x D+1, the first kept - 1 of them."""
+        if self.state is None:
+            return
+        m = int(kept.max()) - 1
+        nodes = path[:, :m]  # b x m
+        waiting = features.gather(1, nodes[..., None].expand(-1, -1, features.size(-1)))  # b x m x C
+        following = block.gather(1, path[:, 1 : m + 1])  # b x m
+        self.state.pending = (waiting, following, kept - 1)
+
+    def reorder(self, rows):
+        if self.state is not None:
+            self.state.select(rows)
+
+    def start(self, features, encoder_out):
+        """A fresh state for the batch whose encoder output is `encoder_out`."""
+        source = self.source(encoder_out)
+        b, h = features.size(0), self.self_attn.num_heads
+        empty = features.new_zeros(b, h, 64, features.size(-1) // h)
+        self.state = DraftState(empty, empty.clone(), *source, encoder_out["encoder_out"][0])
+
+    def sync(self, features, encoder_out):
+        """The state for this call: a new batch (another encoder output) starts afresh."""
+        state, encoder = self.state, encoder_out["encoder_out"][0]
+        if state is None or (state.encoder is not None and state.encoder is not encoder) \
+                or state.length.size(0) != features.size(0):
+            self.start(features, encoder_out)
+        self.state.encoder = encoder
+        return self.state
+
+    def feed(self, state, features, tokens, columns):
+        """Draft entries written at `columns` (b x m) of each row, each seeing the columns up
+        to its own: features b x m x C, tokens b x m -> drafted features b x m x C."""
+        z = self.entry(features, tokens)
+        k, v = keys_values(self.self_attn, self.self_attn_norm(z))  # b x H x m x d
+        state.reserve(int(columns.max()) + 1)
+        index = columns[:, None, :, None].expand(-1, k.size(1), -1, k.size(3))
+        state.keys.scatter_(2, index, k)
+        state.values.scatter_(2, index, v)
+        allowed = torch.arange(state.keys.size(2), device=z.device) <= columns[..., None]  # b x m x L
+        return self.layer(z, features, state.keys, state.values, allowed,
+                          (state.source_keys, state.source_values, state.source_allowed))
+
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+        """Heads 2..width after the last accepted position, one draft step after another:
+        `topn` best tokens each (the Proposer protocol).
+
+        The first step also feeds the accepted positions waiting since keep(), in one pass
+        with the last one (features b x C, after which head 1 chose `token` b); each later
+        step reads the step before and its best token, in columns past the accepted prefix.
+        """
+        state = self.sync(features, encoder_out)
+        if width <= 1:
+            self.feed_accepted(state, features, token)
+            empty = features.new_empty(features.size(0), 0, topn)
+            return empty.long(), empty
+        drafted = self.feed_accepted(state, features, token)  # b x C
+        tokens, lprobs = [], []
+        for step in range(width - 1):
+            if step > 0:
+                drafted = self.feed(state, drafted[:, None], token[:, None], state.length[:, None] + step - 1)[:, 0]
+            best, best_lprobs = best_tokens(self.decoder, drafted, vocab, topn)  # b x topn
+            tokens.append(best)
+            lprobs.append(best_lprobs)
+            token = best[:, 0]
+        return torch.stack(tokens, dim=1), torch.stack(lprobs, dim=1)
+
+    def feed_accepted(self, state, features, token):
+        """Feed the waiting accepted positions and the last one (features b x C, token b):
+        the draft's first step, b x C. The accepted prefix grows by them."""
+        b = features.size(0)
+        waiting, following, count = state.pending or (features.new_zeros(b, 0, features.size(-1)),
+                                                      token.new_zeros(b, 0), token.new_zeros(b))
+        state.pending = None
+        rows = torch.arange(b, device=features.device)
+        inputs = torch.cat([waiting, features[:, None]], dim=1)  # b x m+1 x C: the last one after each row's own
+        tokens = torch.cat([following, token[:, None]], dim=1)  # b x m+1
+        inputs[rows, count] = features
+        tokens[rows, count] = token
+        columns = state.length[:, None] + torch.arange(inputs.size(1), device=features.device)  # b x m+1
+        drafted = self.feed(state, inputs, tokens, columns)[rows, count]  # b x C
+        state.length = state.length + count + 1
+        return drafted
+
+    def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
+        raise BlockwiseRequestError("--head-type draft proposes chains only: decode without --blockwise-tree")

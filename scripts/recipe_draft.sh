@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The draft decoder (--head-type draft, k=8) on a trained model's frozen base, on a CPU: one
+# decoder layer that reads the base's features, the next token and the source drafts heads
+# 2..8 step by step; the base's translations stay exactly as they are.
+# Trains on the base's own greedy output: the self-distilled pairs and their held-out
+# validation split that scripts/recipe_chained.sh makes (steps 1-3) in DATA. Resumable from
+# SAVE/checkpoint_last.pt; stops by itself after HOURS of training (fairseq's --stop-time-hours).
+# Batch, learning rate and warmup are the chained heads' (scripts/train_heads.sh frozen).
+# Usage: [BASE=work/demo/checkpoint.pt] [DATA=work/heads-data/all] [SAVE=work/heads-draft] [HOURS=1]
+#        scripts/recipe_draft.sh [fairseq-train flags...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK=${WORK:-work}; BASE=${BASE:-$WORK/demo/checkpoint.pt}; DATA=${DATA:-$WORK/heads-data/all}
+SAVE=${SAVE:-$WORK/heads-draft}; HOURS=${HOURS:-1}
+[ -f "$DATA/train.de-en.en.bin" ] || { echo "error: no self-distilled pairs in $DATA: scripts/recipe_chained.sh makes them" >&2; exit 1; }
+scripts/train_heads.sh "$DATA" "$BASE" "$SAVE" 8 frozen --head-type draft --head-vocab 2000 \
+  --head-loss-bf16 --max-tokens 4096 --validate-interval-updates 250 --stop-time-hours "$HOURS" "$@"
