@@ -100,7 +100,7 @@ class DraftDecoder(nn.Module, Proposer):
         encoder_dim = decoder.cfg.encoder.embed_dim
         self.encoder_attn = MultiheadAttention(embed_dim, heads, kdim=encoder_dim, vdim=encoder_dim,
                                                encoder_decoder_attention=True)
-        self.fc1, self.fc2 = nn.Linear(embed_dim, ffn_dim), nn.Linear(ffn_dim, embed_dim)
+        self.ffn1, self.ffn2 = nn.Linear(embed_dim, ffn_dim), nn.Linear(ffn_dim, embed_dim)
         self.fc_out = nn.Linear(embed_dim, embed_dim)
         self.activation_fn = utils.get_activation_fn(activation_fn)
         self.dropout = nn.Dropout(dropout)
@@ -121,7 +121,7 @@ class DraftDecoder(nn.Module, Proposer):
         allowed columns. Returns the drafted features b x m x C."""
         z = z + self.dropout(attend(self.self_attn, self.self_attn_norm(z), keys, values, allowed))
         z = z + self.dropout(attend(self.encoder_attn, self.encoder_attn_norm(z), *source))
-        z = z + self.dropout(self.fc2(self.activation_fn(self.fc1(self.ffn_norm(z)))))
+        z = z + self.dropout(self.ffn2(self.activation_fn(self.ffn1(self.ffn_norm(z)))))
         return features + self.dropout(self.fc_out(self.final_norm(z)))
 
     def source(self, encoder_out):

@@ -3,10 +3,14 @@ import pytest
 import torch
 
 from conftest import build, random_sample
-from test_generator import assert_same, blockwise, eos_ending, greedy
+from test_criterion import SMOOTHING, criterion, translation_batch
+from test_generator import assert_same, blockwise, greedy
 
 from fairseq_bpd.draft import DraftDecoder
-from fairseq_bpd.heads import following_tokens
+from fairseq_bpd.errors import BlockwiseRequestError
+from fairseq_bpd.generator import BlockwiseGenerator
+from fairseq_bpd.heads import Proposer, following_tokens
+from fairseq_bpd.options import BlockwiseOptions
 
 DRAFT = ("--head-type", "draft")
 
@@ -89,3 +93,272 @@ def test_decoding_steps_are_the_teacher_forced_steps(data_dir, seed):
                         assert torch.allclose(step[row], block[row, j, i + 1], atol=1e-10)
             assert state.length.tolist() == (done + count).tolist()
             done = done + count
+
+
+def random_draft(data_dir, block_size, seed):
+    task, model, _ = draft(data_dir, block_size, seed=seed)
+    return task, model
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("bsz", [1, 7])
+def test_random_drafts_give_greedy_output(data_dir, seed, bsz):
+    task, model = random_draft(data_dir, 4, seed)
+    sample = random_sample(task, bsz=bsz, seed=seed)
+    expected = greedy(model, task, sample)
+    assert_same(expected, blockwise(model, task, sample, 4)[0])
+    assert_same(expected, blockwise(model, task, sample, 4, proposal_vocab=9)[0])
+    assert_same(expected, blockwise(model, task, sample, 4, confidence=0.2)[0])
+    assert_same(expected, blockwise(model, task, sample, 2)[0])
+
+
+class WatchedDraft(Proposer):
+    """The model's draft, its proposals replaced by greedy's continuation where `agree` says
+    (else by wrong tokens), so that blocks are accepted at every length; records each
+    block's first drafted features beside its sentence and position (the draft's state is
+    kept through keep and reorder as sentences leave)."""
+
+    def __init__(self, heads, references, agree, eos):
+        self.heads, self.references, self.agree, self.eos = heads, references, agree, eos
+        self.sentence, self.first = None, []
+        feed_accepted = heads.feed_accepted
+
+        def recorded(state, features, token):
+            drafted = feed_accepted(state, features, token)
+            self.first.append((self.sentence.clone(), state.length.clone() - 1, drafted.clone()))
+            return drafted
+        heads.feed_accepted = recorded
+
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+        if self.sentence is None:
+            self.sentence = torch.arange(features.size(0))
+        proposals, lprobs = self.heads.propose(features, token, width, vocab, topn, encoder_out)
+        length = self.heads.state.length  # the prefix each row has accepted, BOS included
+        for row, (s, n) in enumerate(zip(self.sentence.tolist(), length.tolist())):
+            ref = self.references[s].tolist() + [self.eos] * width
+            right = ref[n : n + width - 1]
+            agree = self.agree(s, n) if callable(self.agree) else self.agree
+            proposals[row, :, 0] = torch.tensor(right if agree else [4 + (x - 3) % 20 for x in right])
+        return proposals, lprobs
+
+    def keep(self, path, kept, features, block):
+        self.heads.keep(path, kept, features, block)
+
+    def reorder(self, rows):
+        self.sentence = self.sentence[rows]
+        self.heads.reorder(rows)
+
+
+def eos_draft(data_dir):
+    """A k=4 draft model whose greedy output ends at several offsets of a block: model, task,
+    sample and greedy's hypotheses."""
+    task, model = random_draft(data_dir, 4, seed=5)
+    eos = task.target_dictionary.eos()
+    # A bias on EOS makes this tiny model end sentences after a few tokens.
+    model.decoder.output_projection.register_forward_hook(
+        lambda module, inputs, out: out + 0.5 * (torch.arange(out.size(-1)) == eos)
+    )
+    sample = random_sample(task, bsz=8, seed=4)
+    expected = greedy(model, task, sample)
+    assert len({len(e["tokens"]) % 4 for e in expected}) > 2, "EOS should fall at several block offsets"
+    return model, task, sample, expected
+
+
+def assert_first_steps_teacher_forced(model, task, sample, references, proposer):
+    """Each block's first draft step, as `proposer` recorded it, equals the teacher-forced
+    draft recomputed on the whole prefix (greedy's outputs as decoder inputs)."""
+    d = task.target_dictionary
+    inputs = torch.full((len(references), max(map(len, references)) + 1), d.pad())
+    for s, tokens in enumerate(references):
+        inputs[s, 0] = d.eos()
+        inputs[s, 1 : len(tokens) + 1] = tokens
+    _, _, block = teacher_forced(model, sample, inputs)
+    checked = 0
+    for sentence, position, drafted in proposer.first:
+        for s, j, features in zip(sentence.tolist(), position.tolist(), drafted):
+            if j < len(references[s]):
+                assert torch.allclose(features, block[s, j, 1], atol=1e-8), (s, j)
+                checked += 1
+    assert checked >= 2 * len(references)
+
+
+def watched(model, task, expected, agree):
+    proposer = WatchedDraft(model.decoder.heads, [e["tokens"] for e in expected], agree,
+                            task.target_dictionary.eos())
+    generator = BlockwiseGenerator(model, task.target_dictionary, BlockwiseOptions(max_len_b=20),
+                                   proposer=proposer)
+    return proposer, generator
+
+
+@pytest.mark.parametrize("agree", [True, False, lambda s, n: (s + n) % 3 != 0])
+def test_the_drafts_cache_follows_the_accepted_prefix_as_sentences_leave(data_dir, agree):
+    """Exact at every acceptance length, the draft's state kept through keep and reorder."""
+    model, task, sample, expected = eos_draft(data_dir)
+    proposer, generator = watched(model, task, expected, agree)
+    assert_same(expected, generator.generate([model], sample))
+    accepted = generator.stats.accepted
+    if agree is True:
+        assert max(accepted) == 4
+    elif agree is False:
+        assert set(accepted) == {1}
+    else:
+        assert len(accepted) > 2
+    assert_first_steps_teacher_forced(model, task, sample, [e["tokens"] for e in expected], proposer)
+    assert len({len(rows) for rows, _, _ in proposer.first}) > 2  # sentences left at several blocks
+
+
+def test_a_second_batch_starts_a_fresh_draft_state(data_dir):
+    """The generator tells the proposer of no new batch: the draft sees another encoder
+    output and starts afresh."""
+    model, task, _, _ = eos_draft(data_dir)
+    agree = lambda s, n: (s + n) % 3 != 0  # noqa: E731
+    # Single sentences: the batch's size tells nothing either.
+    sample = random_sample(task, bsz=1, seed=4)
+    proposer, generator = watched(model, task, greedy(model, task, sample), agree)
+    generator.generate([model], sample)
+    other = random_sample(task, bsz=1, seed=9)
+    others = greedy(model, task, other)
+    proposer, generator = watched(model, task, others, agree)  # the same draft, its state from before
+    assert_same(others, generator.generate([model], other))
+    assert_first_steps_teacher_forced(model, task, other, [e["tokens"] for e in others], proposer)
+
+
+def test_max_length_inside_a_block(data_dir):
+    task, model = random_draft(data_dir, 4, seed=2)
+    sample = random_sample(task, bsz=5, seed=2)
+    for max_len_b in (5, 6, 7):
+        expected = greedy(model, task, sample, max_len_b=max_len_b)
+        assert_same(expected, blockwise(model, task, sample, 4, max_len_b=max_len_b)[0])
+
+
+def test_adaptive_widths_give_greedy_output(data_dir):
+    task, model = random_draft(data_dir, 4, seed=3)
+    sample = random_sample(task, bsz=6, seed=3)
+    expected = greedy(model, task, sample)
+    options = BlockwiseOptions(max_len_b=20, adaptive=True)
+    generator = options.generator(model, task.target_dictionary)
+    assert_same(expected, generator.generate([model], sample))
+
+
+def test_a_tree_is_refused_by_its_flag(data_dir):
+    task, model = random_draft(data_dir, 4, seed=1)
+    sample = random_sample(task, bsz=2, seed=1)
+    generator = BlockwiseGenerator(model, task.target_dictionary, BlockwiseOptions(max_len_b=20, tree=4))
+    with pytest.raises(BlockwiseRequestError, match="--blockwise-tree"):
+        generator.generate([model], sample)
+
+
+
+
+def attention_by_hand(attention, query, context, heads):
+    """Multi-head attention of one query C over context rows L x C, written out."""
+    q = attention.q_proj(query).view(heads, -1)  # H x d
+    k = attention.k_proj(context).view(len(context), heads, -1).transpose(0, 1)  # H x L x d
+    v = attention.v_proj(context).view(len(context), heads, -1).transpose(0, 1)
+    weights = torch.softmax((k @ q[:, :, None])[..., 0] / q.size(1) ** 0.5, dim=-1)  # H x L
+    return attention.out_proj((weights[:, :, None] * v).sum(1).reshape(-1))
+
+
+def test_loss_by_hand(data_dir):
+    """Step i at position j: its own earlier steps at j and step 1 at positions 0..j in its
+    self-attention, the source in its encoder attention, its loss the label-smoothed
+    cross-entropy against the token i+1 steps on."""
+    task, model, _ = build(data_dir, "--block-size", "3", *DRAFT, "--freeze-base", seed=6)
+    heads = model.decoder.heads
+    torch.nn.init.normal_(heads.fc_out.weight, std=0.5)
+    model.train()
+    sample = translation_batch(task, bsz=3, seed=3)
+    _, _, log = criterion(task)(model, sample)
+
+    decoder, d, h = model.decoder, task.target_dictionary, 2
+    target, inputs = sample["target"], sample["net_input"]["prev_output_tokens"]
+    encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
+    x, _ = decoder.extract_features(inputs, encoder_out)
+    enc, padding = encoder_out["encoder_out"][0], encoder_out["encoder_padding_mask"][0]
+    losses, eps = {2: 0.0, 3: 0.0}, SMOOTHING / (len(d) - 1)
+    for b in range(target.size(0)):
+        source = enc[:, b][~padding[b]]  # S' x C
+        n = int(target[b].ne(d.pad()).sum())
+        entry = lambda f, t: heads.fc_in(torch.cat([f, decoder.embed_scale * decoder.embed_tokens.weight[t]]))
+        first = [entry(x[b, j], target[b, j]) for j in range(n)]  # step 1's entries
+        for j in range(n):
+            f, context = x[b, j], [heads.self_attn_norm(z) for z in first[: j + 1]]
+            for step in (1, 2):
+                if j + step >= n:
+                    break
+                z = first[j] if step == 1 else entry(f, target[b, j + 1])
+                if step == 2:
+                    context.append(heads.self_attn_norm(z))
+                z = z + attention_by_hand(heads.self_attn, heads.self_attn_norm(z), torch.stack(context), h)
+                z = z + attention_by_hand(heads.encoder_attn, heads.encoder_attn_norm(z), source, h)
+                z = z + heads.ffn2(torch.relu(heads.ffn1(heads.ffn_norm(z))))
+                f = f + heads.fc_out(heads.final_norm(z))
+                lprobs = torch.log_softmax(decoder.output_projection(f), dim=-1)
+                goal = int(target[b, j + step])
+                losses[step + 1] += -(1 - SMOOTHING - eps) * lprobs[goal] - eps * lprobs.sum()
+    for head, loss in losses.items():
+        assert torch.allclose(log[f"loss_h{head}"].double(), loss, rtol=1e-5), head
+
+
+@pytest.mark.parametrize("head_type", ["independent", "chained"])
+def test_a_checkpoint_of_another_head_type_loads_with_a_fresh_draft(data_dir, head_type):
+    _, other, _ = build(data_dir, "--block-size", "3", "--head-type", head_type)
+    _, model, _ = build(data_dir, "--block-size", "3", *DRAFT, seed=2)
+    model.load_state_dict(other.state_dict())  # strict: the other heads are dropped
+    for key, value in other.state_dict().items():
+        if ".heads." not in key:
+            assert torch.equal(model.state_dict()[key], value), key
+    assert model.decoder.heads.fc_out.weight.abs().sum() == 0
+
+
+def test_tree_rates_are_measured_for_the_draft(data_dir):
+    """scripts/tree_rates.py hands the draft the encoder output; its counts are the draft's
+    teacher-forced top-1 hits on greedy's path."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from tree_rates import count_hits
+
+    task, model = random_draft(data_dir, 4, seed=6)
+    sample = random_sample(task, bsz=5, seed=6)
+    outputs = [e["tokens"] for e in greedy(model, task, sample, max_len_b=8)]
+    hits, trials = count_hits(model, sample["net_input"], outputs, ranks=1)
+    d = task.target_dictionary
+    inputs = torch.full((5, max(map(len, outputs))), d.pad())
+    for s, tokens in enumerate(outputs):
+        inputs[s, 0] = d.eos()
+        inputs[s, 1 : len(tokens)] = tokens[:-1]
+    _, _, block = teacher_forced(model, sample, inputs)
+    best = model.decoder.project(block[:, :, 1:])
+    best[..., d.pad()] = float("-inf")
+    best = best.argmax(-1)  # B x T x k-1
+    for head in range(3):
+        want = sum(int(best[s, j, head]) == int(tokens[j + head + 1])
+                   for s, tokens in enumerate(outputs) for j in range(len(tokens) - head - 1))
+        assert int(hits[head, 0]) == want
+        assert int(trials[head]) == sum(max(len(t) - head - 1, 0) for t in outputs)
+
+
+def test_a_frozen_base_translates_unchanged_through_the_clis(tmp_path_factory):
+    """fairseq-train fits a draft to a tiny trained model's frozen base; fairseq-generate and
+    fairseq-interactive with --blockwise then give the base's --beam 1 translations."""
+    from cli_support import BLOCK_SIZE, PLUGIN, TRAIN, assert_same_hypotheses, hypotheses, run, summary, trained
+
+    tiny = trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))
+    save = tmp_path_factory.mktemp("draft")
+    run("fairseq-train", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
+        "--arch", "transformer_blockwise", "--block-size", BLOCK_SIZE, "--criterion", "blockwise_cross_entropy",
+        *TRAIN, *DRAFT, "--freeze-base", "--max-update", 30, "--finetune-from-model", tiny.checkpoint,
+        "--disable-validation", "--save-dir", save)
+    common = ("--user-dir", PLUGIN, "--task", "translation_blockwise", "--cpu", "--batch-size", 8)
+    greedy_out = run("fairseq-generate", tiny.data, "--path", tiny.checkpoint, *common, "--beam", 1)
+    drafted = run("fairseq-generate", tiny.data, "--path", f"{save}/checkpoint_last.pt", *common, "--blockwise")
+    assert_same_hypotheses(hypotheses(greedy_out), hypotheses(drafted))
+    assert summary(drafted).mean > 1.0  # the draft proposes what the base accepts
+    with open(f"{tiny.raw}/test.de") as f:
+        source = "".join(f.readlines()[:5])
+    interactive = ("fairseq-interactive", tiny.data, *common, "--source-lang", "de", "--target-lang", "en")
+    assert_same_hypotheses(hypotheses(run(*interactive, "--path", tiny.checkpoint, "--beam", 1, stdin=source)),
+                           hypotheses(run(*interactive, "--path", f"{save}/checkpoint_last.pt", "--blockwise",
+                                          stdin=source)))
