@@ -28,7 +28,8 @@ class BlockwiseDecodingConfig(FairseqDataclass):
         default=None,
         metadata={
             "help": "training: the number of proposal heads k (default 4); decoding: "
-            "the block size, at most the checkpoint's k (default: its k)"
+            "the block size, at most the checkpoint's k (default: each block's width chosen for "
+            "the batch size, up to k, from --blockwise-widths)"
         },
     )
     blockwise: bool = field(
@@ -83,6 +84,16 @@ class BlockwiseDecodingConfig(FairseqDataclass):
             "proposal heads, as fast as greedy. Output stays exactly greedy"
         },
     )
+    blockwise_widths: str = field(
+        default="",
+        metadata={
+            "help": "the width table that --blockwise without --block-size chooses each block's "
+            "width from (scripts/calibrate_widths.py measures one: tokens and seconds per "
+            "invocation by width and batch size). Default: the table measured for this model "
+            "on this machine, kept in the user's cache; without one, widths are learnt as "
+            "with --blockwise-adaptive. Output stays exactly greedy"
+        },
+    )
     blockwise_proposal_vocab: int = field(
         default=0,
         metadata={
@@ -130,7 +141,9 @@ def generation(name):
 class BlockwiseOptions:
     """Everything a blockwise decoder is asked to do, refused by name when it means nothing.
 
-    block_size: the block width (None: the checkpoint's k). tree_rates: the heads'
+    block_size: the block width (None: the checkpoint's k, each block's width chosen up to it
+    by the default width policy where it applies: chooses_width). widths: that policy's
+    table, a path ("": this model's on this machine, widths.table_path). tree_rates: the heads'
     rates that shape the tree, a heads x ranks table or the path of a JSON file that
     scripts/tree_rates.py wrote (loaded when the options are built). The other fields
     are the task's flags without their `blockwise_` prefix, and fairseq's generation
@@ -146,6 +159,7 @@ class BlockwiseOptions:
     distance: float = flag("blockwise_distance")
     adaptive: bool = flag("blockwise_adaptive")
     tree: int = flag("blockwise_tree")
+    widths: str = flag("blockwise_widths")
     tree_rates: Optional[tuple] = None
     sampling: bool = generation("sampling")
     sampling_topk: int = generation("sampling_topk")
@@ -190,6 +204,7 @@ class BlockwiseOptions:
             distance=cfg.blockwise_distance,
             adaptive=cfg.blockwise_adaptive,
             tree=cfg.blockwise_tree,
+            widths=cfg.blockwise_widths,
             tree_rates=cfg.blockwise_tree_rates or None,
             sampling=given("sampling"),
             sampling_topk=given("sampling_topk"),
@@ -205,6 +220,14 @@ class BlockwiseOptions:
             no_repeat_ngram_size=given("no_repeat_ngram_size"),
         )
 
+    @property
+    def chooses_width(self):
+        """Whether the default width policy (widths.py) chooses each block's width: no width
+        asked for (--block-size, --blockwise-adaptive) and exact acceptance of a greedy chain
+        (the relaxed rules' gains are not in the table; sampling and trees keep their width)."""
+        return (self.block_size is None and not self.adaptive and not self.sampling and self.tree == 0
+                and self.distance == 0 and self.topk == 1 and self.min_block == 1)
+
     def replace(self, **changes):
         """These options with some fields changed (checked again)."""
         return dataclasses.replace(self, **changes)
@@ -212,12 +235,17 @@ class BlockwiseOptions:
     def generator(self, model, tgt_dict, stats=None, **hooks):
         """The generator these options ask for, checked against `model` and `tgt_dict`: the
         speculative sampler under `sampling`, the adaptive-width generator under `adaptive`,
-        else the blockwise generator. hooks: the tests' constructor keywords (cost, clock,
+        else the blockwise generator, its width policy the default (widths.default_policy)
+        where chooses_width. hooks: the tests' constructor keywords (cost, clock,
         explore_every for the adaptive width; generator, a torch.Generator, for the sampler)."""
         # The generators read these options: imported here, when one is built.
         from .adaptive import AdaptiveBlockwiseGenerator
         from .generator import BlockwiseGenerator
         from .sampling import SpeculativeSampler
+        from .widths import default_policy
 
         kind = SpeculativeSampler if self.sampling else AdaptiveBlockwiseGenerator if self.adaptive else BlockwiseGenerator
-        return kind(model, tgt_dict, self, stats, **hooks)
+        generator = kind(model, tgt_dict, self, stats, **hooks)
+        if self.chooses_width:
+            generator.policy = default_policy(generator, self)
+        return generator

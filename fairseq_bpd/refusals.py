@@ -100,6 +100,10 @@ def refuse_options(options):
         for flag, name, off in RULE_FLAGS[2:]:
             if getattr(options, name) != off:
                 refuse(f"--blockwise-adaptive chooses the width of a greedy chain; drop {flag}")
+    if options.widths and not options.chooses_width:
+        refuse("--blockwise-widths chooses each block's width of an exact chain; drop it, or drop "
+               "--block-size, --blockwise-adaptive, --blockwise-tree, --blockwise-distance, "
+               "--blockwise-topk, --blockwise-min-block and --sampling")
     if not 0 <= options.tree <= MAX_TREE:
         refuse(f"--blockwise-tree must be between 0 (the chain) and {MAX_TREE} nodes (got {options.tree})")
     if isinstance(options.tree_rates, (str, os.PathLike)) and not options.tree:

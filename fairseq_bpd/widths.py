@@ -1,0 +1,230 @@
+"""The default width policy of --blockwise: each block's width from a table measured on this machine.
+
+A block of width w (the last committed token and w-1 proposals) adds e[w] tokens per
+invocation, which depends on the checkpoint, and costs c[b][w] seconds at batch size b,
+which depends on the model's shape, the code and the machine. scripts/calibrate_widths.py
+measures both, decoding held-out sentences at every width, and writes a WidthTable in the
+user's cache under a fingerprint of the model and the machine. `--blockwise` alone finds
+it there (or takes `--blockwise-widths FILE`) and gives every block the width of most
+expected tokens per second at the batch size still decoding: the batch shrinks as its
+sentences finish, and the best width with it. Without a table for this model and machine
+it falls back to adaptive.py's AdaptiveWidth, which learns rates and costs as it decodes
+(--blockwise-adaptive). Exact either way: only the width changes.
+"""
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .adaptive import AdaptiveWidth, choose_width
+from .errors import BlockwiseRequestError
+
+logger = logging.getLogger(__name__)
+
+# Where calibrate_widths.py writes and --blockwise looks: $FAIRSEQ_BPD_WIDTHS, else the
+# user's cache. Costs belong to the machine, not the checkpoint's folder, which may be
+# shared or read-only.
+CACHE_VARIABLE = "FAIRSEQ_BPD_WIDTHS"
+
+
+@dataclass
+class WidthTable:
+    """Measured tokens and seconds per invocation, by width 1..k and batch size.
+
+    expected: k, tokens a block of each width adds per invocation. seconds: {width:
+    {batch size: seconds of one invocation}}. machine, model: what they were measured on
+    (machine() and fingerprint()).
+    """
+
+    expected: list
+    seconds: dict
+    machine: str = ""
+    model: str = ""
+
+    def costs(self, batch_size):
+        """Seconds of an invocation of each width at `batch_size`: k."""
+        return np.array([cost_at(self.seconds[width], batch_size) for width in range(1, len(self.expected) + 1)])
+
+    def width(self, batch_size):
+        """The width of most expected tokens per second at `batch_size`: an int (ties go narrower)."""
+        return choose_width(np.asarray(self.expected, dtype=np.float64), self.costs(batch_size), slack=0.0)
+
+
+def cost_at(points, batch_size):
+    """One width's seconds at `batch_size`, from {batch size: seconds} measured at some.
+
+    Linear between the nearest measured sizes; below the smallest its cost; above the
+    largest the line through the last two, never falling (an invocation over more rows
+    costs no less).
+    """
+    sizes = sorted(points)
+    seconds = [points[b] for b in sizes]
+    if batch_size <= sizes[-1] or len(sizes) == 1:
+        return float(np.interp(batch_size, sizes, seconds))
+    slope = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+    return seconds[-1] + slope * (batch_size - sizes[-1])
+
+
+def save_table(table, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    seconds = {str(w): {str(b): s for b, s in sorted(by_size.items())} for w, by_size in sorted(table.seconds.items())}
+    with open(path, "w") as f:
+        json.dump({"expected": table.expected, "seconds": seconds, "machine": table.machine, "model": table.model},
+                  f, indent=1)
+
+
+def load_table(path):
+    """The WidthTable a calibrate_widths.py run wrote to `path`; refused by name when it holds none."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        expected = [float(e) for e in raw["expected"]]
+        seconds = {int(w): {int(b): float(s) for b, s in by_size.items()} for w, by_size in raw["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise BlockwiseRequestError(f"--blockwise-widths: cannot read a width table from {path} ({error!r})") from None
+    if not expected or sorted(seconds) != list(range(1, len(expected) + 1)) or not all(seconds.values()):
+        raise BlockwiseRequestError(f"--blockwise-widths: {path} holds no seconds for every width 1..{len(expected)}")
+    return WidthTable(expected, seconds, raw.get("machine", ""), raw.get("model", ""))
+
+
+def machine(device):
+    """The machine an invocation's cost belongs to, in words: the GPU, or the CPU's model,
+    cores and torch threads; torch's version."""
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        name = ""
+        if os.path.exists("/proc/cpuinfo"):
+            with open("/proc/cpuinfo") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        where = f"{name or 'CPU'}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{where}, torch {torch.__version__}"
+
+
+def fingerprint(model):
+    """A short hash of the model's parameters (names, shapes, dtype and sums): a table's
+    rates belong to one checkpoint."""
+    digest = hashlib.sha1()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            digest.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}{float(parameter.double().sum()):.6e}".encode())
+    return digest.hexdigest()[:16]
+
+
+def table_path(model, device=None):
+    """Where the table of this model on this machine is kept: a path."""
+    device = next(model.parameters()).device if device is None else device
+    key = hashlib.sha1(f"{fingerprint(model)} {machine(device)}".encode()).hexdigest()[:16]
+    folder = os.environ.get(CACHE_VARIABLE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fairseq_bpd", "widths")
+    return os.path.join(folder, f"{key}.json")
+
+
+class TableWidth:
+    """The width policy of a WidthTable (the protocol of generator.py's FixedWidth): each
+    block's width is table.width at the live batch size, chosen once per size; widths chosen
+    are counted in `stats` (BlockwiseStats)."""
+
+    def __init__(self, table, stats):
+        self.table, self.stats = table, stats
+        self.chosen = {}  # batch size -> width
+
+    def start(self):
+        pass
+
+    def width(self, batch_size):
+        width = self.chosen.get(batch_size)
+        if width is None:
+            width = self.chosen[batch_size] = self.table.width(batch_size)
+        self.stats.widths[width] += 1
+        return width
+
+    def observe(self, width, kept, added, limit):
+        pass
+
+
+def default_policy(generator, options):
+    """The width policy of `--blockwise` alone for `generator` (its model, block_size and
+    stats): options.widths' table, else this model's table on this machine, else AdaptiveWidth."""
+    path, given = options.widths, bool(options.widths)
+    if not given:
+        path = table_path(generator.model)
+        if not os.path.exists(path):
+            logger.info("no width table for this model on this machine (scripts/calibrate_widths.py "
+                        "measures one): each block's width is learnt as it decodes")
+            return AdaptiveWidth(generator.block_size, generator.stats)
+    table = load_table(path)
+    if len(table.expected) != generator.block_size:
+        raise BlockwiseRequestError(f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, "
+                                    f"the checkpoint's k is {generator.block_size}")
+    here = machine(next(generator.model.parameters()).device)
+    if given and table.machine != here:
+        logger.warning(f"--blockwise-widths: {path} was measured on {table.machine!r}, this is {here!r}")
+    return TableWidth(table, generator.stats)
+
+
+class TimedWidths:
+    """A width policy that takes the widths 1..widest in turn, block by block, and times each
+    block by width and batch size (scripts/calibrate_widths.py).
+
+    Taking turns block by block, not a run per width, puts every width under the same load
+    on a shared machine. seconds: {width: {batch size: [seconds of each block]}}, from one
+    width() call to the next, a block's whole cycle from proposing to the crop (a batch's
+    last block is not timed); added, blocks: {width: tokens added, sentence-blocks}.
+    """
+
+    def __init__(self, widest, clock=time.perf_counter):
+        self.widest, self.clock = widest, clock
+        self.seconds = {width: defaultdict(list) for width in range(1, widest + 1)}
+        self.added, self.blocks = defaultdict(int), defaultdict(int)
+        self.turn = 0
+        self.timing = None  # (width, batch size, start) of the block under way
+
+    def start(self):
+        self.timing = None
+
+    def width(self, batch_size):
+        now = self.clock()
+        if self.timing is not None:
+            width, size, start = self.timing
+            self.seconds[width][size].append(now - start)
+        self.turn += 1
+        width = 1 + self.turn % self.widest
+        self.timing = (width, batch_size, self.clock())
+        return width
+
+    def observe(self, width, kept, added, limit):
+        self.added[width] += int(added.sum())
+        self.blocks[width] += added.numel()
+
+    def table(self, machine="", model="", least=3):
+        """The WidthTable of what was timed: tokens per sentence-block and pooled seconds per width."""
+        expected = [self.added[w] / max(self.blocks[w], 1) if w > 1 else 1.0 for w in range(1, self.widest + 1)]
+        # A wider block keeps at least what a narrower one would at the same position: a
+        # narrower width measured higher is sampling noise.
+        expected = np.maximum.accumulate(expected).tolist()
+        return WidthTable(expected, {w: pooled(self.seconds[w], least) for w in self.seconds}, machine, model)
+
+
+# A calibration pools the timings of nearby batch sizes (a batch of 128 shrinks through every
+# size below it, a few blocks at each): sizes 1, 2, 3, 4, 6, 8, 12, 16, ... each start a pool.
+def pool_of(batch_size):
+    """The smallest batch size of `batch_size`'s pool: 2^n or 3·2^(n-1), at most batch_size."""
+    power = 1 << (batch_size.bit_length() - 1)
+    return power * 3 // 2 if power > 1 and batch_size >= power * 3 // 2 else power
+
+
+def pooled(seconds, least=3):
+    """{batch size: [seconds]} -> {batch size: seconds}: per pool (pool_of) of at least `least`
+    timings, the median batch size in it and the median of its timings."""
+    pools = defaultdict(list)
+    for size, timings in seconds.items():
+        pools[pool_of(size)] += [(size, timing) for timing in timings]
+    return {int(np.median([size for size, _ in pool])): float(np.median([timing for _, timing in pool]))
+            for pool in pools.values() if len(pool) >= least}

@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Measure the width table that --blockwise alone chooses each block's width from (fairseq_bpd/widths.py).
+
+Decodes the first --sentences of a held-out split (valid by default) at each --batch-sizes,
+--repeats times, under the default generator (its widest block the checkpoint's k) with the
+widths 1..k taking turns block by block, so that every width sees the same load on a
+shared machine; times every block at the batch size still decoding. Writes, per width,
+the median seconds of an invocation by pooled batch size and the tokens a block adds per
+sentence, to this model's table on this machine (where --blockwise looks:
+fairseq_bpd/widths.py table_path) and to --out if given. Measure again after changing the
+machine, torch or the plugin: the costs are theirs.
+
+  .venv/bin/python scripts/calibrate_widths.py --data DATA --path CKPT \\
+      [--batch-sizes 1 8 32 128] [--sentences 64] [--repeats 3] [--threads N] [--out FILE]
+"""
+import argparse
+
+from fairseq_bpd import bench
+from fairseq_bpd.options import BlockwiseOptions
+from fairseq_bpd.widths import TimedWidths, fingerprint, machine, save_table, table_path
+
+
+def calibrate(model, task, subset, batch_sizes, sentences, repeats, device):
+    """The WidthTable of `model` on this machine, measured on `subset`."""
+    k = bench.full_width(model)
+    generator = BlockwiseOptions(block_size=k).generator(model, task.target_dictionary)
+    policy = TimedWidths(k)
+    for batch_size in batch_sizes:
+        samples = bench.batches(task, subset, batch_size, max(sentences, batch_size), device)
+        generator.policy = TimedWidths(k)  # a warm-up, not timed: the first decode of a shape allocates
+        bench.decode(generator, model, samples[:1])
+        generator.policy = policy
+        for _ in range(repeats):
+            bench.decode(generator, model, samples)
+        print(f"batch {batch_size}: {len(samples)} batches x {repeats} rounds timed", flush=True)
+    return policy.table(machine(device), fingerprint(model))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_data_args(ap, subset="valid")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--sentences", type=int, default=64, help="the first N of --subset (at least a batch)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over each batch size's batches")
+    ap.add_argument("--out", help="also write the table here (e.g. beside the checkpoint)")
+    bench.add_device_args(ap)
+    args = ap.parse_args()
+    model, task, device, _ = bench.setup(args)
+    table = calibrate(model, task, args.subset, sorted(args.batch_sizes), args.sentences, args.repeats, device)
+    print("tokens per block by width: " + " ".join(f"{e:.2f}" for e in table.expected))
+    for path in filter(None, (table_path(model, device), args.out)):
+        save_table(table, path)
+        print(f"wrote {path}")
+    chosen = {b: table.width(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)}
+    print("width chosen by batch size: " + " ".join(f"{b}:{w}" for b, w in chosen.items()))
+
+
+if __name__ == "__main__":
+    main()

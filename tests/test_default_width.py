@@ -1,0 +1,205 @@
+"""--blockwise alone: each block's width from a measured table (widths.py), greedy's output whatever it picks."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cli_support import ENV, PLUGIN, assert_same_hypotheses, hypotheses, summary, trained
+from conftest import build, random_sample
+from test_generator import assert_same, greedy
+
+from fairseq_bpd.adaptive import AdaptiveWidth
+from fairseq_bpd.errors import BlockwiseRequestError
+from fairseq_bpd.generator import BlockwiseStats
+from fairseq_bpd.options import BlockwiseOptions
+from fairseq_bpd.widths import (
+    TableWidth, TimedWidths, WidthTable, cost_at, load_table, pool_of, pooled, save_table, table_path,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hand_made(k=4):
+    """Rates of a k=4 model and a CPU's costs: a wide block pays at batch 1, width 1 at 32.
+
+    Tokens per block 1, 1.6, 2.0, 2.2. Width 1 costs 1 + b/8 ms; a block 1.5 + (b/8)·w ms.
+    Tokens per ms at batch 1: 0.89, 0.91, 1.07, 1.10 -> 4; batch 2: 0.8, 0.8, 0.89, 0.88 -> 3;
+    batch 8: 0.5, 0.46, 0.44, 0.40 -> 1.
+    """
+    seconds = {w: {b: 1e-3 * ((1 + b / 8) if w == 1 else (1.5 + b / 8 * w)) for b in (1, 8, 32)}
+               for w in range(1, k + 1)}
+    return WidthTable([1.0, 1.6, 2.0, 2.2][:k], seconds, "a machine", "a model")
+
+
+def test_cost_at_interpolates_and_never_falls_beyond_the_last_size():
+    points = {1: 1.0, 8: 2.4, 32: 5.0}
+    assert cost_at(points, 1) == 1.0
+    assert cost_at(points, 4) == pytest.approx(1.0 + 3 * 1.4 / 7)
+    assert cost_at(points, 20) == pytest.approx(2.4 + 12 * 2.6 / 24)
+    assert cost_at(points, 64) == pytest.approx(5.0 + 32 * 2.6 / 24)  # the last two sizes' line
+    assert cost_at({1: 2.0, 4: 1.0}, 10) == 1.0  # a falling line (noise) stays flat
+    assert cost_at({8: 3.0}, 1) == cost_at({8: 3.0}, 64) == 3.0
+
+
+def test_table_width_follows_the_batch_size():
+    table = hand_made()
+    assert [table.width(b) for b in (1, 2, 8, 32, 128)] == [4, 3, 1, 1, 1]
+    # Batch 4: width 1 costs 1.5 ms (0.67 tokens/ms), width 4 3.5 ms (0.63): width 1, by a little.
+    assert table.width(4) == 1
+    table.expected = [1.0, 1.6, 2.0, 2.5]  # better heads: at batch 4 width 4 gives 0.71 tokens/ms
+    assert table.width(4) == 4
+    table.expected = [1.0, 1.0, 1.0, 1.0]  # heads that never pass: width 1 everywhere
+    assert {table.width(b) for b in (1, 8, 32)} == {1}
+    # Equal tokens per second: the narrower width.
+    flat = WidthTable([1.0, 2.0], {1: {1: 1.0}, 2: {1: 2.0}})
+    assert flat.width(1) == 1
+
+
+def test_table_policy_chooses_once_per_batch_size_and_counts_its_widths():
+    stats = BlockwiseStats()
+    policy = TableWidth(hand_made(), stats)
+    policy.start()
+    assert [policy.width(b) for b in (32, 32, 9, 2, 1, 1)] == [1, 1, 1, 3, 4, 4]
+    assert dict(stats.widths) == {1: 3, 3: 1, 4: 2}
+    assert set(policy.chosen) == {32, 9, 2, 1}
+
+
+def test_pools_gather_nearby_batch_sizes():
+    assert [pool_of(b) for b in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 127, 128)] == [1, 2, 3, 4, 4, 6, 6, 8, 8, 12, 96, 128]
+    seconds = {32: [5.0, 5.0, 9.0], 30: [4.0], 25: [4.0], 7: [1.0], 1: [0.5, 0.5, 0.5, 10.0]}
+    # Pool 24..31 and 32 are apart; 7 alone is too few; a preempted 10.0 is no median.
+    assert pooled(seconds) == {32: 5.0, 1: 0.5}
+    assert pooled(seconds, least=2) == {32: 5.0, 27: 4.0, 1: 0.5}
+
+
+def test_timed_widths_take_turns_and_measure_tokens_per_block():
+    now = [0.0]
+    policy = TimedWidths(3, clock=lambda: now[0])
+    policy.start()
+    # Widths 2, 3, 1, 2 in turn; a block of width w takes w seconds.
+    for batch_size, kept in ((4, [2, 1, 2, 1]), (4, [3, 1, 3, 1]), (4, [1, 1, 1, 1]), (3, [2, 2, 2])):
+        width = policy.width(batch_size)
+        now[0] += width
+        added = torch.tensor(kept)
+        policy.observe(width, added, added, added + 3)
+    policy.width(2)
+    assert {w: dict(s) for w, s in policy.seconds.items()} == {1: {4: [1.0]}, 2: {4: [2.0], 3: [2.0]}, 3: {4: [3.0]}}
+    table = policy.table(least=1)
+    assert table.expected == pytest.approx([1.0, 12 / 7, 2.0])  # tokens added per sentence-block
+    assert table.seconds == {1: {4: 1.0}, 2: {3: 2.0, 4: 2.0}, 3: {4: 3.0}}
+    policy.added[3] = 4  # a wider width measured below a narrower one: noise, raised to it
+    assert policy.table(least=1).expected == pytest.approx([1.0, 12 / 7, 12 / 7])
+
+
+def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
+    path = str(tmp_path / "widths.json")
+    save_table(hand_made(), path)
+    assert load_table(path) == hand_made()
+    with open(path, "w") as f:
+        json.dump({"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}}}, f)
+    with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: .* every width 1..2"):
+        load_table(path)
+    with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: cannot read"):
+        load_table(str(tmp_path / "missing.json"))
+
+
+def test_the_default_applies_to_an_exact_chain_of_no_width_asked():
+    assert BlockwiseOptions().chooses_width and BlockwiseOptions(confidence=0.5, proposal_vocab=8).chooses_width
+    for asked in ({"block_size": 4}, {"adaptive": True}, {"tree": 4}, {"topk": 2}, {"min_block": 2},
+                  {"sampling": True}):
+        assert not BlockwiseOptions(**asked).chooses_width
+        with pytest.raises(BlockwiseRequestError, match="--blockwise-widths chooses"):
+            BlockwiseOptions(widths="table.json", **asked)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty width-table cache of this test's own."""
+    folder = tmp_path / "widths"
+    monkeypatch.setenv("FAIRSEQ_BPD_WIDTHS", str(folder))
+    return folder
+
+
+def test_the_default_finds_its_table_or_learns_as_it_decodes(data_dir, cache, tmp_path):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=3)
+    d = task.target_dictionary
+    assert isinstance(BlockwiseOptions().generator(model, d).policy, AdaptiveWidth)  # no table here
+    assert type(BlockwiseOptions(block_size=4).generator(model, d).policy).__name__ == "FixedWidth"
+    save_table(hand_made(), table_path(model))
+    policy = BlockwiseOptions().generator(model, d).policy
+    assert isinstance(policy, TableWidth) and policy.table == hand_made()
+    other = build(data_dir, "--block-size", "4", seed=4)[1]  # other weights: not its table
+    assert isinstance(BlockwiseOptions().generator(other, d).policy, AdaptiveWidth)
+    save_table(hand_made(3), str(tmp_path / "k3.json"))
+    with pytest.raises(BlockwiseRequestError, match="widths 1..3, the checkpoint's k is 4"):
+        BlockwiseOptions(widths=str(tmp_path / "k3.json")).generator(model, d)
+
+
+@pytest.mark.parametrize("bsz", [1, 64])
+@pytest.mark.parametrize("table", ["hand-made", "none"])
+def test_the_default_gives_greedy_output(data_dir, cache, tmp_path, bsz, table):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=6)
+    sample = random_sample(task, bsz=bsz, seed=6)
+    options = BlockwiseOptions(max_len_b=20)
+    if table == "hand-made":  # width 4 at batch 1, 3 at 2-3, 1 from 4: a batch of 64 crosses over
+        options = options.replace(widths=str(tmp_path / "widths.json"))
+        save_table(hand_made(), options.widths)
+    generator = options.generator(model, task.target_dictionary)
+    assert_same(greedy(model, task, sample, max_len_b=20), generator.generate([model], sample))
+    widths = generator.stats.widths
+    if table == "hand-made":
+        assert set(widths) == {4} if bsz == 1 else 1 in widths and set(widths) <= {1, 3, 4}
+
+
+def python(script, *args, env):
+    process = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *map(str, args)],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert process.returncode == 0, process.stdout + process.stderr[-3000:]
+    return process.stdout + process.stderr
+
+
+def generate(tiny, *args, env, fails=False):
+    process = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), tiny.data, "--user-dir", PLUGIN,
+         "--task", "translation_blockwise", "--path", tiny.checkpoint, "--cpu", *map(str, args)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert (process.returncode != 0) == fails, process.stderr[-3000:]
+    return process.stdout + process.stderr
+
+
+def widths_chosen(output):
+    found = re.search(r"block widths chosen \{([\d: ]+)\}", output)
+    assert found, output[-2000:]
+    return dict(map(int, entry.split(":")) for entry in found[1].split())
+
+
+def test_calibrate_then_generate_with_blockwise_alone(tmp_path_factory, tmp_path):
+    tiny = trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))  # test_cli's model, trained once
+    env = {**ENV, "FAIRSEQ_BPD_WIDTHS": str(tmp_path / "cache")}
+    out = python("calibrate_widths.py", "--data", tiny.data, "--path", tiny.checkpoint, "--batch-sizes", 1, 8,
+                 "--sentences", 8, "--repeats", 1, "--cpu", "--out", tmp_path / "copy.json", env=env)
+    [written] = os.listdir(tmp_path / "cache")
+    table = load_table(str(tmp_path / "cache" / written))
+    assert table == load_table(str(tmp_path / "copy.json")) and len(table.expected) == 3
+    assert table.expected[0] == 1.0 and table.expected[2] >= table.expected[1] > 1.0, out  # trained heads pass
+    greedy_run = generate(tiny, "--beam", 1, "--batch-size", 8, env=env)
+    default = generate(tiny, "--blockwise", "--batch-size", 8, env=env)
+    assert_same_hypotheses(hypotheses(greedy_run), hypotheses(default))
+    assert set(widths_chosen(default)) <= {table.width(b) for b in range(1, 9)}
+    assert summary(default).sentences == 20
+
+    # A hand-made table where width 2 pays at every batch size: every block after the first is 2 wide.
+    forced = WidthTable([1.0, 1.9, 1.9], {1: {1: 1.0, 8: 2.0}, 2: {1: 1.0, 8: 2.0}, 3: {1: 2.0, 8: 4.0}})
+    save_table(forced, str(tmp_path / "forced.json"))
+    two = generate(tiny, "--blockwise", "--blockwise-widths", tmp_path / "forced.json", "--batch-size", 8, env=env)
+    assert_same_hypotheses(hypotheses(greedy_run), hypotheses(two))
+    assert widths_chosen(two).keys() == {2} and set(summary(two).histogram) <= {1, 2}
+    assert "was measured on 'a machine'" not in two  # forced names no machine
+    refused = generate(tiny, "--blockwise", "--blockwise-widths", tmp_path / "forced.json", "--block-size", 2,
+                       env=env, fails=True)
+    assert "--blockwise-widths chooses" in refused
