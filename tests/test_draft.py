@@ -358,7 +358,8 @@ def test_a_frozen_base_translates_unchanged_through_the_clis(tmp_path_factory):
     assert summary(drafted).mean > 1.0  # the draft proposes what the base accepts
     with open(f"{tiny.raw}/test.de") as f:
         source = "".join(f.readlines()[:5])
-    interactive = ("fairseq-interactive", tiny.data, *common, "--source-lang", "de", "--target-lang", "en")
+    interactive = ("fairseq-interactive", tiny.data, *common, "--buffer-size", 8, "--source-lang", "de",
+                   "--target-lang", "en")
     assert_same_hypotheses(hypotheses(run(*interactive, "--path", tiny.checkpoint, "--beam", 1, stdin=source)),
                            hypotheses(run(*interactive, "--path", f"{save}/checkpoint_last.pt", "--blockwise",
                                           stdin=source)))
