@@ -145,9 +145,8 @@ class IncrementalCache:
 
 
 # A finished sentence's row stays in the static cache, masked, until this fraction of the
-# rows is finished; then the live rows are gathered to the front (one copy of their
-# entries). A finished row costs its share of every later pass; a compaction costs a copy
-# of the valid entries only. On a CPU, whose cost follows the rows, compacting at once
+# rows is finished; then the last live rows move into the finished rows' places (a copy of
+# the moved rows' entries only). A finished row costs its share of every later pass. On a CPU, whose cost follows the rows, compacting at once
 # (0) measured as fast as any fraction and faster than never; a fixed-shape replay (a
 # CUDA graph per batch size) is what a positive fraction is for.
 ROWS_COMPACT_AT = 0.0
@@ -167,7 +166,8 @@ class StaticCache:
     than one token. A rejected suffix needs no crop: the length stops before it and the
     next block overwrites it; a tree's accepted path is one gather of its entries.
     A finished sentence's row is masked, not copied out (rows: the cache rows of the
-    decoder's rows), until ROWS_COMPACT_AT of them are. The source's keys and values
+    decoder's rows, in any order), until ROWS_COMPACT_AT of them are; then the last live
+    rows move into the finished ones' places (compact). The source's keys and values
     (encoder attention) are kept per layer, B x h x S x d, with the source mask additive.
 
     Same methods as IncrementalCache (width, crop, source, keep_source), plus begin
@@ -195,7 +195,7 @@ class StaticCache:
             self.kv = x.new_zeros(2 * len(self.layers), b, max(self.columns, n), channels)
             self.lengths = torch.zeros(b, dtype=torch.long, device=x.device)
         elif self.longest + n > self.kv.size(2):  # doubled: a copy now and then, never per block
-            self.resize(self.kv.size(1), max(2 * self.kv.size(2), self.longest + n))
+            self.resize(max(2 * self.kv.size(2), self.longest + n))
         if self.rows is not None:
             x = x.new_zeros(self.kv.size(1), n, channels).index_copy_(0, self.rows, x)
         if block_mask is None:  # the chain's
@@ -279,16 +279,36 @@ class StaticCache:
             lengths = torch.zeros_like(self.lengths)  # a finished row attends to its own garbage
             self.lengths, self.rows = lengths.index_copy_(0, rows, self.lengths[rows]), rows
             return
-        self.lengths, self.rows = self.lengths[rows], None
-        self.resize(rows, self.kv.size(2))
-        self.sources = [None if s is None else (s[0][rows], s[1][rows]) for s in self.sources]
-        if self.source_mask is not None:
-            self.source_mask = self.source_mask[rows]
+        self.rows = self.compact(rows)
 
-    def resize(self, rows, columns):
-        """New buffers of `rows` (a count, or the rows to keep) by `columns`, the valid entries copied."""
-        count = rows if isinstance(rows, int) else rows.numel()
-        kv = self.kv.new_zeros(self.kv.size(0), count, columns, self.kv.size(3))
-        valid = self.kv[:, :, : self.longest]
-        kv[:, :, : self.longest] = valid if isinstance(rows, int) else valid.index_select(1, rows)
+    def compact(self, rows):
+        """Keep only the cache rows `rows` (b', the decoder's rows' own): the live rows past
+        the first b' move into the holes before it, one copy of those rows' entries only
+        (not of the whole cache, as shifting every row down would be), and every buffer
+        keeps its first b' rows. Returns the decoder's rows' cache rows now, or None where
+        they are 0..b'-1 in order."""
+        count = rows.numel()
+        live = torch.zeros(self.kv.size(1), dtype=torch.bool, device=rows.device)
+        live[rows] = True
+        holes, movers = (~live[:count]).nonzero()[:, 0], live[count:].nonzero()[:, 0] + count
+        buffers = [self.kv[:, :, : self.longest], self.lengths]  # cache rows at dim 1, then 0
+        buffers += [t for source in self.sources if source is not None for t in source]
+        if self.source_mask is not None:
+            buffers.append(self.source_mask)
+        for i, t in enumerate(buffers):
+            dim = 1 if i == 0 else 0
+            t.index_copy_(dim, holes, t.index_select(dim, movers))
+        self.kv, self.lengths = self.kv[:, :count], self.lengths[:count]
+        self.sources = [None if s is None else (s[0][:count], s[1][:count]) for s in self.sources]
+        if self.source_mask is not None:
+            self.source_mask = self.source_mask[:count]
+        remap = torch.arange(live.numel(), device=rows.device)
+        remap[movers] = holes
+        rows = remap[rows]
+        return None if bool((rows == torch.arange(count, device=rows.device)).all()) else rows
+
+    def resize(self, columns):
+        """A new buffer of `columns` per row, the valid entries copied."""
+        kv = self.kv.new_zeros(*self.kv.shape[:2], columns, self.kv.size(3))
+        kv[:, :, : self.longest] = self.kv[:, :, : self.longest]
         self.kv = kv

@@ -99,16 +99,18 @@ class Sentences:
 def test_blocks_match_a_full_prefix_pass(data_dir, monkeypatch, compact_at, tree):
     """Random widths (1 to 4: equal lengths, then rows apart) or a tree's paths, random
     kept lengths, two sentences leaving (masked or compacted): each block's features are
-    a full pass over its sentence's prefix."""
+    a full pass over its sentence's prefix. Compacting moves the last live rows into the
+    finished ones' (the decoder's rows then map to cache rows out of order)."""
     monkeypatch.setattr(cache_room, "ROWS_COMPACT_AT", compact_at)
     sentences = Sentences(data_dir, bsz=5, seed=11, tree=tree)
-    saw_unequal = saw_masked = False
+    saw_unequal = saw_masked = saw_moved = False
     for round_ in range(12):
         block, features, used_tree = sentences.feed(width=int(torch.randint(1, 5, (), generator=sentences.random)))
         cache = sentences.decoder.cache(sentences.state)
         assert type(cache) is StaticCache
         saw_unequal |= not cache.equal
-        saw_masked |= cache.rows is not None
+        saw_masked |= cache.kv.size(1) > len(sentences.rows)  # a finished row still there
+        saw_moved |= cache.kv.size(1) == len(sentences.rows) and cache.rows is not None
         sentences.check(block, features, used_tree)
         sentences.keep(block, used_tree)
         if round_ == 4:
@@ -117,6 +119,7 @@ def test_blocks_match_a_full_prefix_pass(data_dir, monkeypatch, compact_at, tree
             sentences.leave([1, 3])
     assert saw_unequal
     assert saw_masked == (compact_at > 0)  # one of five leaves first: 0.2 of the rows
+    assert saw_moved == (compact_at == 0)  # row 1 leaves first: row 4 moves into it
 
 
 def test_the_cache_grows_past_its_columns(data_dir, monkeypatch):
