@@ -11,6 +11,7 @@ sentences finish, and the best width with it. Without a table for this model and
 it falls back to adaptive.py's AdaptiveWidth, which learns rates and costs as it decodes
 (--blockwise-adaptive). Exact either way: only the width changes.
 """
+import functools
 import hashlib
 import json
 import logging
@@ -156,8 +157,8 @@ def default_policy(generator, options):
     if not given:
         path = table_path(generator.model)
         if not os.path.exists(path):
-            logger.info("no width table for this model on this machine (scripts/calibrate_widths.py "
-                        "measures one): each block's width is learnt as it decodes")
+            say_once(f"no width table for this model on this machine ({path}; scripts/calibrate_widths.py "
+                     f"measures one): each block's width is learnt as it decodes")
             return AdaptiveWidth(generator.block_size, generator.stats)
     table = load_table(path)
     if len(table.expected) != generator.block_size:
@@ -167,6 +168,12 @@ def default_policy(generator, options):
     if given and table.machine != here:
         logger.warning(f"--blockwise-widths: {path} was measured on {table.machine!r}, this is {here!r}")
     return TableWidth(table, generator.stats)
+
+
+@functools.cache
+def say_once(message):
+    """Log `message` the first time only: a benchmark builds a generator every round."""
+    logger.info(message)
 
 
 class TimedWidths:
@@ -213,18 +220,36 @@ class TimedWidths:
 
 
 # A calibration pools the timings of nearby batch sizes (a batch of 128 shrinks through every
-# size below it, a few blocks at each): sizes 1, 2, 3, 4, 6, 8, 12, 16, ... each start a pool.
+# size below it, a few blocks at each): sizes 1, 2-3, 4-7, 8-15, ... each make a pool.
 def pool_of(batch_size):
-    """The smallest batch size of `batch_size`'s pool: 2^n or 3·2^(n-1), at most batch_size."""
-    power = 1 << (batch_size.bit_length() - 1)
-    return power * 3 // 2 if power > 1 and batch_size >= power * 3 // 2 else power
+    """The smallest batch size of `batch_size`'s pool: the power of 2 at most batch_size."""
+    return 1 << (batch_size.bit_length() - 1)
+
+
+# A pool's cost is this quantile of its timings, not their median: on a shared machine most
+# timings may include another process's time slice, which is no cost of the width, and
+# the lower quantiles of every width are the least disturbed alike.
+QUANTILE = 0.25
 
 
 def pooled(seconds, least=3):
     """{batch size: [seconds]} -> {batch size: seconds}: per pool (pool_of) of at least `least`
-    timings, the median batch size in it and the median of its timings."""
+    timings, the median batch size in it and the QUANTILE of its timings; never less at a
+    larger pool (monotone: an invocation over more rows costs no less)."""
     pools = defaultdict(list)
     for size, timings in seconds.items():
         pools[pool_of(size)] += [(size, timing) for timing in timings]
-    return {int(np.median([size for size, _ in pool])): float(np.median([timing for _, timing in pool]))
-            for pool in pools.values() if len(pool) >= least}
+    kept = sorted((int(np.median([size for size, _ in pool])), float(np.quantile([t for _, t in pool], QUANTILE)))
+                  for pool in pools.values() if len(pool) >= least)
+    return dict(zip([size for size, _ in kept], nondecreasing([cost for _, cost in kept])))
+
+
+def nondecreasing(values):
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators): a list."""
+    blocks = []  # [mean, count] of runs merged so far
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean, count), (last, n) = blocks[-2], blocks.pop()
+            blocks[-1] = [(mean * count + last * n) / (count + n), count + n]
+    return [mean for mean, count in blocks for _ in range(count)]

@@ -11,9 +11,10 @@ fairseq_bpd/widths.py table_path) and to --out if given. Measure again after cha
 machine, torch or the plugin: the costs are theirs.
 
   .venv/bin/python scripts/calibrate_widths.py --data DATA --path CKPT \\
-      [--batch-sizes 1 8 32 128] [--sentences 64] [--repeats 3] [--threads N] [--out FILE]
+      [--batch-sizes 1 8 32 128] [--sentences 64] [--repeats 3] [--threads N] [--out FILE] [--if-missing]
 """
 import argparse
+import os
 
 from fairseq_bpd import bench
 from fairseq_bpd.options import BlockwiseOptions
@@ -43,9 +44,13 @@ def main():
     ap.add_argument("--sentences", type=int, default=64, help="the first N of --subset (at least a batch)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds over each batch size's batches")
     ap.add_argument("--out", help="also write the table here (e.g. beside the checkpoint)")
+    ap.add_argument("--if-missing", action="store_true", help="measure only if this model has no table here yet")
     bench.add_device_args(ap)
     args = ap.parse_args()
     model, task, device, _ = bench.setup(args)
+    if args.if_missing and os.path.exists(table_path(model, device)):
+        print(f"this model's width table on this machine: {table_path(model, device)}")
+        return
     table = calibrate(model, task, args.subset, sorted(args.batch_sizes), args.sentences, args.repeats, device)
     print("tokens per block by width: " + " ".join(f"{e:.2f}" for e in table.expected))
     for path in filter(None, (table_path(model, device), args.out)):

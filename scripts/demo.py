@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """The one-command demo (`make demo`): greedy vs blockwise on the Bible test set.
 
-Builds the default corpus (cached after the first run), restores the k=8 checkpoint
-that scripts/recipe.sh trained (models/demo/), and prints one table: BLEU of greedy and
-blockwise, mean accepted block size, decoder invocations and the wall-clock speedup at
-batch sizes 1 and 32; then a few test sentences (source, reference, greedy and
-blockwise output) and a plot of accepted block sizes. The numbers are scripts/speed.py's,
-run twice (all sentences at batch 32, --timing-sentences at batch 1). Decodes on the GPU
-when torch sees one (--cpu: the CPU), and says which device it timed.
+Builds the default corpus (cached after the first run), restores the shipped k=8
+checkpoint (models/demo/), measures this machine's width table for it once
+(scripts/calibrate_widths.py), and prints one table: BLEU, mean accepted block size,
+decoder invocations and the wall-clock speedup at batch sizes 1 and 32 of greedy,
+`--blockwise` alone (its widths from the table), the fixed chain at the full k and the
+best tree; then a few test sentences (source, reference, greedy and blockwise output)
+and a plot of the chain's accepted block sizes. The numbers are scripts/speed.py's, run
+twice (all sentences at batch 32, --timing-sentences at batch 1). Decodes on the GPU when
+torch sees one (--cpu: the CPU), and says which device it timed.
 """
 import argparse
 import hashlib
@@ -19,8 +21,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 MODEL_DIR = os.path.join(ROOT, "models", "demo")
-# The blockwise rows shown beside greedy: scripts/speed.py's decoder specs, by their label.
-LABELS = {"k": "blockwise"}
+TREE_RATES = os.path.join(MODEL_DIR, "checkpoint.int4.tree-rates.json")
+# The blockwise rows shown beside greedy: scripts/speed.py's decoder specs, by their label:
+# what --blockwise gives by itself, the chain at the checkpoint's k, the best tree there.
+LABELS = {"default": "blockwise", "k": "chain at k", "tree:16": "tree of 16"}
 ROWS = list(LABELS)
 
 
@@ -80,7 +84,7 @@ def plot(histogram, path, k):
 def speed(data, checkpoint, out, batch_size, limit, repeats, examples=0, cpu=False):
     """scripts/speed.py's rows for greedy and ROWS at one batch size, by decoder."""
     argv = ["scripts/speed.py", "--data", data, "--path", checkpoint, "--rows", "greedy", *ROWS,
-            "--batch-sizes", str(batch_size), "--repeats", str(repeats), "--examples", str(examples), "--out", out]
+            "--tree-rates", TREE_RATES, "--batch-sizes", str(batch_size), "--repeats", str(repeats), "--examples", str(examples), "--out", out]
     argv += ["--cpu"] * cpu + (["--max-sentences", str(limit)] if limit is not None else [])
     subprocess.run([PYTHON, *argv], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     with open(out + ".json") as f:
@@ -103,6 +107,8 @@ def main():
         manifest = json.load(f)
     build_corpus(data)
     checkpoint = restore_checkpoint(work, manifest, data)
+    step("the width table of this machine for --blockwise (measured once: scripts/calibrate_widths.py)")
+    run("scripts/calibrate_widths.py", "--data", data, "--path", checkpoint, "--if-missing", *["--cpu"] * args.cpu)
 
     step("decoding the test set at batch size 32 (all sentences, greedy and blockwise in turn, 1 run each)")
     quality, run = speed(data, checkpoint, os.path.join(work, "quality"), 32, None, 1, args.examples, args.cpu)
@@ -118,10 +124,10 @@ def main():
 def show(quality, run, timed, repeats, work):
     """The demo's table (quality at batch 32, speed at batch 1 and 32), the plot and the examples."""
     names = ["greedy", *ROWS]
-    first = quality[ROWS[0]]
-    k = first["options"]["block_size"]
+    chain = quality["k"]
+    k = chain["options"]["block_size"]
     png = os.path.join(work, "accepted_blocks.png")
-    plot(first["accepted_histogram"], png, k)
+    plot(chain["accepted_histogram"], png, k)
     lines = [
         ("BLEU (test, sacrebleu)", [f"{quality[n]['bleu']:.2f}" for n in names]),
         ("identical to greedy", [""] + [f"{quality[n]['identical']}/{quality[n]['sentences']}" for n in ROWS]),
@@ -134,17 +140,20 @@ def show(quality, run, timed, repeats, work):
         ("speedup at batch 32", [f"{quality[n]['speedup']:.2f}x" for n in names]),
     ]
     print()
-    print(f"fairseq greedy (--beam 1) vs blockwise parallel decoding, k={k}, exact acceptance")
+    print(f"fairseq greedy (--beam 1) vs blockwise parallel decoding (--blockwise, its widths chosen "
+          f"by batch size; the chain of width k={k}; a tree of 16), exact acceptance")
     print(f"{'':52s} " + " ".join(f"{label:>12s}" for label in ["greedy", *map(LABELS.get, ROWS)]))
     for label, cells in lines:
         print(f"{label:52s} " + " ".join(f"{cell:>12s}" for cell in cells))
-    print(f"\naccepted block sizes: {first['accepted_histogram']} (plot: {os.path.relpath(png, ROOT)})")
+    print(f"\nwidths --blockwise chose: batch 1 {timed['default']['widths_chosen']}, "
+          f"batch 32 {quality['default']['widths_chosen']}")
+    print(f"accepted block sizes of the chain at k: {chain['accepted_histogram']} (plot: {os.path.relpath(png, ROOT)})")
     print(f"timed on: {run['run']['device']}, commit {run['run']['commit']}")
     for i, example in enumerate(run["examples"], 1):
         same = all(example[n] == example["greedy"] for n in ROWS)
         print(f"\ntest sentence {i} (greedy and blockwise {'identical' if same else 'DIFFERENT'})")
         for label, key in (("source", "source"), ("reference", "reference"), ("greedy", "greedy"),
-                           *((LABELS[n], n) for n in ROWS)):
+                           ("blockwise", ROWS[0])):
             print(f"  {label:10s} {example[key]}")
 
 

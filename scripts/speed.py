@@ -6,7 +6,10 @@ Each --rows entry is a decoder spec, KIND[:VALUE] then options after commas:
   greedy        fairseq's greedy, as fairseq-generate --beam 1 builds it: every row's
                 baseline, always timed (identity and speedups are against it)
   width:N       blockwise, a chain of width N (--block-size N)
-  k             blockwise at the checkpoint's full width (--blockwise alone)
+  default       --blockwise alone: each block's width from this model's width table on this
+                machine (scripts/calibrate_widths.py), else learnt as it decodes; `default,widths=FILE`
+                names a table
+  k             blockwise at the checkpoint's full width (--block-size k)
   adaptive[:N]  --blockwise-adaptive, widths up to N (default k)
   tree:N        --blockwise-tree N at width k, its rates from --tree-rates (default: the built-in table)
   sampling[:N]  --sampling at width N (default k), against fairseq's own --sampling --beam 1
@@ -42,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Each kind's options from its VALUE (None when not given) and the checkpoint's k.
 KINDS = {
     "width": lambda value, k: {"block_size": int(value)},
+    "default": lambda value, k: {},
     "k": lambda value, k: {"block_size": k},
     "adaptive": lambda value, k: {"block_size": int(value or k), "adaptive": True},
     "tree": lambda value, k: {"block_size": k, "tree": int(value)},

@@ -18,7 +18,8 @@ from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.generator import BlockwiseStats
 from fairseq_bpd.options import BlockwiseOptions
 from fairseq_bpd.widths import (
-    TableWidth, TimedWidths, WidthTable, cost_at, load_table, pool_of, pooled, save_table, table_path,
+    TableWidth, TimedWidths, WidthTable, cost_at, load_table, nondecreasing, pool_of, pooled, save_table,
+    table_path,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,12 +70,16 @@ def test_table_policy_chooses_once_per_batch_size_and_counts_its_widths():
     assert set(policy.chosen) == {32, 9, 2, 1}
 
 
-def test_pools_gather_nearby_batch_sizes():
-    assert [pool_of(b) for b in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 127, 128)] == [1, 2, 3, 4, 4, 6, 6, 8, 8, 12, 96, 128]
-    seconds = {32: [5.0, 5.0, 9.0], 30: [4.0], 25: [4.0], 7: [1.0], 1: [0.5, 0.5, 0.5, 10.0]}
-    # Pool 24..31 and 32 are apart; 7 alone is too few; a preempted 10.0 is no median.
-    assert pooled(seconds) == {32: 5.0, 1: 0.5}
-    assert pooled(seconds, least=2) == {32: 5.0, 27: 4.0, 1: 0.5}
+def test_pools_gather_nearby_batch_sizes_and_cost_no_less_with_more_rows():
+    assert [pool_of(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 127, 128)] == [1, 2, 2, 4, 4, 8, 8, 16, 64, 128]
+    seconds = {32: [5.0, 5.0, 9.0, 9.0, 9.0], 30: [4.0, 4.0], 25: [4.0], 7: [1.0], 1: [0.5, 0.5, 0.5, 10.0]}
+    # Pool 16-31 and pool 32 are apart; 7 alone is too few; a preempted 10.0 is not the quantile
+    # (the lower quarter of 5, 5, 9, 9, 9 is 5).
+    assert pooled(seconds) == {32: 5.0, 30: 4.0, 1: 0.5}
+    assert pooled(seconds, least=1) == {32: 5.0, 30: 4.0, 7: 1.0, 1: 0.5}
+    # A larger pool measured cheaper (noise): the two share their mean.
+    assert pooled({4: [2.0] * 3, 8: [1.0] * 3, 16: [3.0] * 3}) == {4: 1.5, 8: 1.5, 16: 3.0}
+    assert nondecreasing([1.0, 3.0, 2.0, 1.0, 5.0]) == [1.0, 2.0, 2.0, 2.0, 5.0]
 
 
 def test_timed_widths_take_turns_and_measure_tokens_per_block():
