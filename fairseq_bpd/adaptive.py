@@ -6,7 +6,8 @@ given that proposals 1..j-1 did (this run's counts). It costs one invocation, wh
 time the policy measures on the generator and fits by batch size and width (InvocationCost).
 Width 1 runs no proposal heads (the generator's lean path), so when the heads stop
 paying the generator decodes at greedy's speed; the output is greedy's either way.
-AdaptiveWidth is the generator's width policy (generator.py's FixedWidth is the other).
+AdaptiveWidth is a width policy of the generator (beside generator.py's FixedWidth and
+widths.py's TableWidth); `--blockwise` alone takes it where no width table was measured.
 """
 import time
 from collections import Counter
