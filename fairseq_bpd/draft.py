@@ -115,11 +115,12 @@ class DraftDecoder(nn.Module, Proposer):
         embedded = self.decoder.embed_scale * self.decoder.embed_tokens(tokens)  # ... x E
         return self.fc_in(torch.cat([features, embedded], dim=-1))
 
-    def layer(self, z, features, keys, values, allowed, source):
-        """The layer over entries z b x m x C whose self-attention sees `keys`, `values`
-        (b x H x L x d) where `allowed` (b x m x L); source: the encoder's keys, values and
-        allowed columns. Returns the drafted features b x m x C."""
-        z = z + self.dropout(attend(self.self_attn, self.self_attn_norm(z), keys, values, allowed))
+    def layer(self, z, normed, features, keys, values, allowed, source):
+        """The layer over entries z b x m x C (normed: self_attn_norm(z), which made their own
+        keys) whose self-attention sees `keys`, `values` (b x H x L x d) where `allowed`
+        (b x m x L); source: the encoder's keys, values and allowed columns. Returns the
+        drafted features b x m x C."""
+        z = z + self.dropout(attend(self.self_attn, normed, keys, values, allowed))
         z = z + self.dropout(attend(self.encoder_attn, self.encoder_attn_norm(z), *source))
         z = z + self.dropout(self.ffn2(self.activation_fn(self.ffn1(self.ffn_norm(z)))))
         return features + self.dropout(self.fc_out(self.final_norm(z)))
@@ -159,12 +160,13 @@ class DraftDecoder(nn.Module, Proposer):
         features, keys, values, allowed = [x], [], [], prefix
         for i in range(count - 1):
             z = self.entry(features[-1], shift_target(following, i, decoder.padding_idx))  # B x T x C
-            k, v = keys_values(self.self_attn, self.self_attn_norm(z))
+            normed = self.self_attn_norm(z)
+            k, v = keys_values(self.self_attn, normed)
             keys.append(k)
             values.append(v)
             if i > 0:
                 allowed = torch.cat([allowed, eye.expand_as(prefix)], dim=-1)  # B x T x (i+1)T
-            features.append(self.layer(z, features[-1], torch.cat(keys, dim=2), torch.cat(values, dim=2),
+            features.append(self.layer(z, normed, features[-1], torch.cat(keys, dim=2), torch.cat(values, dim=2),
                                        allowed, source))
         return torch.stack(features, dim=-2)
 
@@ -214,13 +216,14 @@ class DraftDecoder(nn.Module, Proposer):
         """Draft entries written at `columns` (b x m) of each row, each seeing the columns up
         to its own: features b x m x C, tokens b x m -> drafted features b x m x C."""
         z = self.entry(features, tokens)
-        k, v = keys_values(self.self_attn, self.self_attn_norm(z))  # b x H x m x d
+        normed = self.self_attn_norm(z)
+        k, v = keys_values(self.self_attn, normed)  # b x H x m x d
         state.reserve(int(columns.max()) + 1)
         index = columns[:, None, :, None].expand(-1, k.size(1), -1, k.size(3))
         state.keys.scatter_(2, index, k)
         state.values.scatter_(2, index, v)
         allowed = torch.arange(state.keys.size(2), device=z.device) <= columns[..., None]  # b x m x L
-        return self.layer(z, features, state.keys, state.values, allowed,
+        return self.layer(z, normed, features, state.keys, state.values, allowed,
                           (state.source_keys, state.source_values, state.source_allowed))
 
     def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
