@@ -44,7 +44,7 @@ class DraftState:
 
     keys, values: b x H x L x d, its self-attention entries (columns past `length` are a
     proposal's and are overwritten); length: b, entries of the accepted prefix; source:
-    the encoder output's keys and values b x H x S x d and its padding b x S; pending:
+    the encoder output's keys and values b x H x S x d and where to attend b x 1 x S; pending:
     the accepted positions not yet fed (features b x M x C, their next tokens b x M,
     and how many are real, b); encoder: the encoder tensor these belong to.
     """
@@ -218,12 +218,13 @@ class DraftDecoder(nn.Module, Proposer):
         z = self.entry(features, tokens)
         normed = self.self_attn_norm(z)
         k, v = keys_values(self.self_attn, normed)  # b x H x m x d
-        state.reserve(int(columns.max()) + 1)
+        used = int(columns.max()) + 1  # the columns any entry here may see
+        state.reserve(used)
         index = columns[:, None, :, None].expand(-1, k.size(1), -1, k.size(3))
         state.keys.scatter_(2, index, k)
         state.values.scatter_(2, index, v)
-        allowed = torch.arange(state.keys.size(2), device=z.device) <= columns[..., None]  # b x m x L
-        return self.layer(z, normed, features, state.keys, state.values, allowed,
+        allowed = torch.arange(used, device=z.device) <= columns[..., None]  # b x m x L
+        return self.layer(z, normed, features, state.keys[:, :, :used], state.values[:, :, :used], allowed,
                           (state.source_keys, state.source_values, state.source_allowed))
 
     def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
