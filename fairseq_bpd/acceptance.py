@@ -33,15 +33,51 @@ def verify(lprobs, block, score, ranks, tree):
     lprobs: b x n x V, head 1 after each block token (fairseq's constraints applied);
     block: b x n, the last committed token then the candidates laid out as `tree`
     (a chain: each after the one before); score: b, the float32 running score of the
-    committed prefix; ranks: how many of head 1's choices to rank (a rule's `ranks`, at
-    least 2 as fairseq's beam 1 ranks). Returns a Verdict, K = ranks.
+    committed prefix; ranks: how many of head 1's choices to rank (a rule's `ranks`).
+    Returns a Verdict, K = ranks.
     """
     b, n, V = lprobs.shape
     flat = tree.parents[1:] * V + block[:, 1:]  # b x n-1: a candidate in its parent's row
     proposal_lprobs = lprobs.reshape(b, n * V).gather(1, flat)  # b x n-1
     running = running_scores(score, proposal_lprobs, tree)
-    values, candidates = torch.topk(lprobs + running.unsqueeze(2), k=ranks, dim=2)
+    values, candidates = greedy_choice(lprobs + running.unsqueeze(2), ranks)
     return Verdict(candidates, values, running, proposal_lprobs)
+
+
+# greedy_choice finds a single best token by reductions from this many rows on: below it
+# their extra operations cost more than topk's sort of a few rows.
+CHOICE_BY_MAXIMUM = 4
+
+
+def greedy_choice(scores, ranks):
+    """The best `ranks` tokens of each row of `scores` (... x V, log-prob + running score),
+    best first, as fairseq's beam 1 picks them (torch.topk, k=2): values and tokens, ... x ranks.
+
+    For one rank (every exact rule's) over CHOICE_BY_MAXIMUM rows or more, the row's
+    maximum where it is the only one, found by vectorised reductions: topk sorts each row
+    on the CPU, about twice as slow over a wide block or batch. A tie at the top, or a row all -inf or NaN, anywhere in the block falls
+    back to topk, whose choice among ties is fairseq's.
+    """
+    V = scores.size(-1)
+    if ranks == 1 and scores.numel() >= CHOICE_BY_MAXIMUM * V and V < 2 ** 24:  # indices exact in any float
+        best = scores.amax(dim=-1, keepdim=True)
+        hits = (scores - best).eq_(0)  # 1 at each maximum (-inf - -inf is NaN: none)
+        if bool((hits.sum(dim=-1) == 1).all()):
+            first = V - hits.mul_(descending(V, hits)).amax(dim=-1, keepdim=True)  # the maximum's index
+            return best, first.long()
+    values, tokens = torch.topk(scores, k=max(2, ranks), dim=-1)
+    return values[..., :ranks], tokens[..., :ranks]
+
+
+_DESCENDING = {}
+
+
+def descending(V, like):
+    """V, V-1, ..., 1 in `like`'s dtype and device, kept per (V, dtype, device)."""
+    key = (V, like.dtype, like.device)
+    if key not in _DESCENDING:
+        _DESCENDING[key] = torch.arange(V, 0, -1, dtype=like.dtype, device=like.device)
+    return _DESCENDING[key]
 
 
 def running_scores(score, proposal_lprobs, tree):
@@ -65,7 +101,7 @@ class TopK:
     score. TopK(1) is exact decoding: greedy's own choice, the paper's rule."""
 
     def __init__(self, topk=1):
-        self.topk, self.ranks = topk, max(2, topk)
+        self.topk = self.ranks = topk
 
     def passes(self, verdict, block, tree):
         """b x n-1 bool, from a Verdict on `block` b x n laid out as `tree`."""
@@ -95,7 +131,7 @@ class WithinDistance:
     E: a proposal passes when its number (numbers: V, from symbol_numbers) differs from head
     1's choice after the tokens before it by at most E, with a finite log-prob. A chain's rule."""
 
-    ranks = 2
+    ranks = 1
 
     def __init__(self, numbers, distance):
         self.numbers, self.distance = numbers, distance
@@ -191,11 +227,11 @@ def confident_width(best, log_confidence):
 def greedy_step(lprobs, score, eos):
     """A block of one token (no proposals): head 1's choice, as commit gives it for n = 1.
 
-    lprobs: b x 1 x V, score: b. Ranks as verify does (top 2, as fairseq's beam 1),
-    with nothing to accept or roll back. Returns commit's outputs and output scores
-    (b x 1), added (b, all 1) and finished (b).
+    lprobs: b x 1 x V, score: b. Ranks as verify does (greedy_choice), with nothing to
+    accept or roll back. Returns commit's outputs and output scores (b x 1), added (b,
+    all 1) and finished (b).
     """
-    values, candidates = torch.topk(lprobs + score[:, None, None], k=2, dim=2)
+    values, candidates = greedy_choice(lprobs + score[:, None, None], 1)
     outputs = candidates[:, :, 0]
     return outputs, values[:, :, 0], torch.ones_like(score, dtype=torch.long), outputs[:, 0] == eos
 

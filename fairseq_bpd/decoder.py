@@ -11,6 +11,7 @@ weights (a transposed projection, a position table, the lean pass's arranged wei
 which layers block_layer runs) is made again whenever the weights change.
 """
 import logging
+import math
 
 import torch
 from torch import nn
@@ -76,9 +77,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         handful of rows costs more than the product itself. Both round differently from
         fairseq's one-row step, which is why exactness is tested in float64.
         """
-        projection = self.output_projection
-        plain = type(projection) is nn.Linear and projection.bias is None
-        if not plain or projection._forward_hooks or projection._forward_pre_hooks:
+        if not self.plain_projection():
             # Anything else (adaptive softmax, a wrapped or hooked projection) runs as is.
             if vocab:
                 return self.output_layer(x)[..., :vocab]
@@ -87,6 +86,41 @@ class BlockwiseDecoder(TransformerDecoderBase):
         columns = columns[:, :vocab] if vocab else columns
         # One 2-D product over all rows (x may be a transposed view: matmul would batch it).
         return torch.mm(x.reshape(-1, x.size(-1)), columns).view(*x.shape[:-1], columns.size(1))
+
+    def plain_projection(self):
+        """Whether the output projection is a plain bias-free nn.Linear with no hooks, which
+        decoding may compute from its weight alone."""
+        projection = self.output_projection
+        return (type(projection) is nn.Linear and projection.bias is None
+                and not projection._forward_hooks and not projection._forward_pre_hooks)
+
+    def proposal_projection(self, vocab=0):
+        """What proposals are scored by: the projection onto the first `vocab` entries (0: all),
+        a contiguous C x N copy, and a bias of N zeros with -inf at padding (never proposed),
+        so that one addmm gives their logits; None where the projection is not plain.
+
+        The copy is contiguous because a k=8 chain scores seven times an invocation, each
+        time reading the slice, and made again when the weight changes (weights_key).
+        """
+        if not self.plain_projection():
+            return None
+        weight = self.output_projection.weight
+        key = weights_key(weight)
+        if key is None:
+            columns = weight.detach().t()[:, :vocab] if vocab else weight.detach().t()
+            return columns, self.padding_bias(columns)
+        if getattr(self, "_proposal_key", None) != (key, vocab):
+            columns = self.transposed_projection()
+            columns = columns[:, :vocab].contiguous() if vocab else columns
+            self._proposal, self._proposal_key = (columns, self.padding_bias(columns)), (key, vocab)
+        return self._proposal
+
+    def padding_bias(self, columns):
+        """N zeros, -inf at padding, in the dtype of `columns` (C x N)."""
+        bias = columns.new_zeros(columns.size(1))
+        if self.padding_idx < bias.numel():
+            bias[self.padding_idx] = -math.inf
+        return bias
 
     def transposed_projection(self):
         """The output projection's weight transposed, contiguous: C x V, for decoding only.
@@ -108,6 +142,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         of the layers (lean_layers): fairseq's optimizers update p.data in place, which moves
         no version counter, and fairseq's Trainer switches modes around every step and validation."""
         self._transposed_key = self._position_key = self._lean_layers = self._lean_weights = None
+        self._proposal_key = None
         return super().train(mode)
 
     def forward(

@@ -11,6 +11,7 @@ never asks which kind it has. A new head architecture is a sibling class here: C
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from fairseq import utils
 
@@ -168,9 +169,14 @@ def decoding_logits(decoder, features, vocab):
 
     Padding is never proposed: in a block it would read as padding.
     """
-    logits = decoder.project(features, vocab)  # ... x N
-    logits[..., decoder.padding_idx] = -math.inf
-    return logits
+    projection = decoder.proposal_projection(vocab)
+    if projection is None:  # not a plain product: the decoder's own projection
+        logits = decoder.project(features, vocab)  # ... x N
+        logits[..., decoder.padding_idx] = -math.inf
+        return logits
+    columns, padding = projection  # C x N, N: one addmm, the padding's -inf its bias
+    flat = torch.addmm(padding, features.reshape(-1, features.size(-1)), columns)
+    return flat.view(*features.shape[:-1], columns.size(1))
 
 
 def best_tokens(decoder, features, vocab, topn):
@@ -233,9 +239,18 @@ class ChainedHeads(nn.Module, Proposer):
 
     def link(self, i, features, tokens):
         """Head i+2's features from head i+1's: features ... x C, tokens ... -> ... x C."""
-        embedded = self.decoder.embed_scale * self.decoder.embed_tokens(tokens)  # ... x E
-        hidden = self.activation_fn(self.fc_in[i](torch.cat([features, embedded], dim=-1)))
-        return features + self.dropout(self.fc_out[i](hidden))
+        decoder, fc_in, fc_out = self.decoder, self.fc_in[i], self.fc_out[i]
+        if not self.training and not any(m._forward_hooks or m._forward_pre_hooks
+                                         for m in (fc_in, fc_out, decoder.embed_tokens)):
+            # Decoding calls this k-1 times an invocation on a few rows: the same function
+            # without nn.Module's call machinery and an identity dropout, which cost more
+            # there than the products.
+            embedded = decoder.embed_scale * F.embedding(tokens, decoder.embed_tokens.weight)  # ... x E
+            hidden = self.activation_fn(F.linear(torch.cat([features, embedded], dim=-1), fc_in.weight, fc_in.bias))
+            return features + F.linear(hidden, fc_out.weight, fc_out.bias)
+        embedded = decoder.embed_scale * decoder.embed_tokens(tokens)  # ... x E
+        hidden = self.activation_fn(fc_in(torch.cat([features, embedded], dim=-1)))
+        return features + self.dropout(fc_out(hidden))
 
     def block_features(self, x, count=None, inputs=None, encoder_out=None):
         """Teacher-forced features of the first `count` heads: x B x T x C -> B x T x count x C.
