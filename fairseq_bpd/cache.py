@@ -257,6 +257,9 @@ class StaticCache:
             self.lengths = lengths
         else:
             self.lengths.index_copy_(0, self.rows, lengths)
+        if block_width == 1:  # a block of one is kept whole: every row one longer, nothing to ask
+            self.longest += 1
+            return lengths
         longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
         self.longest, self.equal = longest, longest == shortest
         return lengths

@@ -176,7 +176,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
             x = self.output_layer(x)
         return x, extra
 
-    def forward_block(self, tokens, positions, encoder_out, incremental_state, self_attn_mask=None):
+    def forward_block(self, tokens, positions, encoder_out, incremental_state, self_attn_mask=None,
+                      longest=None):
         """Feed a block of new tokens after the cached prefix (one decoder invocation).
 
         fairseq's incremental path feeds one token; a block needs explicit positions
@@ -187,19 +188,22 @@ class BlockwiseDecoder(TransformerDecoderBase):
         Sentences whose cached prefixes differ in length share the cache's columns, the
         entries not theirs hidden (StaticCache: each row's own length; IncrementalCache:
         the key padding mask). Returns features b x n x C and the alignment layer's
-        attention b x n x S (mean over heads).
+        attention b x n x S (mean over heads). longest: an int at least positions.max(),
+        where the caller knows one on the host (the generator does), sparing a wait for it.
         """
         n = tokens.size(1)
-        x = self.embed_scale * self.embed_tokens(tokens)
+        x = self.embed_scale * self.embed(tokens)
         if self.quant_noise is not None:
             x = self.quant_noise(x)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
         if self.embed_positions is not None:
-            x += self.position_table(int(positions.max()) + 1)[positions]
+            longest = int(positions.max()) if longest is None else longest
+            x += self.position_table(longest + 1)[positions]
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
-        x = self.dropout_module(x)
+        if self.dropout_module.training or self.dropout_module.apply_during_inference:
+            x = self.dropout_module(x)
         if n > 1 and self_attn_mask is None:
             self_attn_mask = self.buffered_future_mask(x.transpose(0, 1))
         enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None
@@ -219,6 +223,14 @@ class BlockwiseDecoder(TransformerDecoderBase):
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
         return x, attn
+
+    def embed(self, tokens):
+        """The tokens' embeddings (unscaled): ... -> ... x E; F.embedding where the module has
+        no hooks (a plain nn.Embedding: the module's call costs more than the lookup of a block)."""
+        module = self.embed_tokens
+        if type(module) is nn.Embedding and not module._forward_hooks and not module._forward_pre_hooks:
+            return nn.functional.embedding(tokens, module.weight, module.padding_idx)
+        return module(tokens)
 
     def incremental_pass(self, x, enc, padding_mask, incremental_state, cache, self_attn_mask):
         """The layers over a block on fairseq's incremental state: x n x b x C -> n x b x C, attention."""

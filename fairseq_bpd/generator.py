@@ -199,7 +199,8 @@ class BlockwiseGenerator(nn.Module):
             # length) and at least the invocations so far (each adds one output or more).
             bounds = (invocations, decoder.cache_width(incremental_state) + tree.max_depth)
             positions = steps if bounds[1] < max_len else steps.clamp(max=max_len)
-            features, block_attn = decoder.forward_block(block, positions, encoder_out, incremental_state, tree.mask)
+            features, block_attn = decoder.forward_block(block, positions, encoder_out, incremental_state, tree.mask,
+                                                         longest=min(bounds[1], max_len))
             invocations += 1
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree,
                                        src_lengths[batch.sentence] if self.match_source_len else None, bounds)
@@ -211,7 +212,9 @@ class BlockwiseGenerator(nn.Module):
             )
             path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
             self.policy.observe(n, kept, added, limit)
-            if invocations > 1 or self.block_size == 1:  # the first, on BOS alone, verifies nothing
+            if n == 1 and self.block_size == 1:  # every sentence added one: no need to ask
+                self.stats.accepted[1] += added.size(0)
+            elif invocations > 1:  # the first, on BOS alone, verifies nothing
                 self.stats.accepted.update(added.tolist())
             if block_attn is not None and not tree.is_chain:  # a chain's path is the block itself
                 block_attn = along(path, block_attn)[0]
