@@ -145,8 +145,9 @@ def show(quality, run, timed, repeats, work):
     print(f"{'':52s} " + " ".join(f"{label:>12s}" for label in ["greedy", *map(LABELS.get, ROWS)]))
     for label, cells in lines:
         print(f"{label:52s} " + " ".join(f"{cell:>12s}" for cell in cells))
-    print(f"\nwidths --blockwise chose: batch 1 {timed['default']['widths_chosen']}, "
-          f"batch 32 {quality['default']['widths_chosen']}")
+    chose = lambda row: "{" + " ".join(f"{w}:{n}" for w, n in row["widths_chosen"].items()) + "}"  # noqa: E731
+    print(f"\nblock widths --blockwise chose (width:blocks): batch 1 {chose(timed['default'])}, "
+          f"batch 32 {chose(quality['default'])}")
     print(f"accepted block sizes of the chain at k: {chain['accepted_histogram']} (plot: {os.path.relpath(png, ROOT)})")
     print(f"timed on: {run['run']['device']}, commit {run['run']['commit']}")
     for i, example in enumerate(run["examples"], 1):
