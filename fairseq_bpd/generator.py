@@ -200,7 +200,7 @@ class BlockwiseGenerator(nn.Module):
             bounds = (invocations, decoder.cache_width(incremental_state) + tree.max_depth)
             positions = steps if bounds[1] < max_len else steps.clamp(max=max_len)
             features, block_attn = decoder.forward_block(block, positions, encoder_out, incremental_state, tree.mask,
-                                                         longest=min(bounds[1], max_len))
+                                                         min(bounds[1], max_len))  # the longest position
             invocations += 1
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree,
                                        src_lengths[batch.sentence] if self.match_source_len else None, bounds)
