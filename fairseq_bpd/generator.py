@@ -348,6 +348,11 @@ class BlockwiseGenerator(nn.Module):
         the prefix (the tests' oracles).
         """
         width = self.policy.width(features.size(0))
+        if (not self.layout.is_chain and self.log_confidence == -math.inf
+                and not getattr(self.proposer, "nodes_read_proposals", True)):
+            # A proposer whose nodes() proposes each node after its own parent (Hydra) reads
+            # nothing of propose()'s chain: the tree needs only the width, not the chain's cost.
+            return token.new_zeros(features.size(0), width - 1, self.layout.topn)
         proposals, lprobs = self.proposer.propose(features, token, width, self.proposal_vocab, self.layout.topn,
                                                   encoder_out)
         if self.log_confidence == -math.inf:

@@ -221,6 +221,7 @@ class ChainedHeads(nn.Module, Proposer):
     """
 
     independent = False  # head i reads head i-1's proposal
+    nodes_read_proposals = False  # nodes() proposes each node after its own parent
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()

@@ -72,3 +72,24 @@ def test_proposal_logits_are_the_projection_with_padding_hidden(data_dir, vocab)
         decoder.output_projection.weight.mul_(2)
     with torch.inference_mode():
         torch.testing.assert_close(decoding_logits(decoder, features, vocab)[..., 3:], 2 * want[..., 3:])
+
+
+@pytest.mark.parametrize("confidence", [0.0, 0.2])
+def test_a_hydra_tree_runs_no_chain_of_proposals(data_dir, confidence):
+    """Chained heads under a tree propose every node after its own parent (nodes()), so the
+    chain propose() would make is not made, unless --blockwise-confidence reads its log-probs;
+    the output is greedy's either way."""
+    from conftest import random_sample
+    from test_chained import chained
+    from test_generator import assert_same, blockwise, greedy
+
+    task, model, _ = chained(data_dir, 4, seed=5)
+    sample = random_sample(task, bsz=3, seed=5)
+    expected = greedy(model, task, sample, max_len_b=12)
+    heads, calls = model.decoder.heads, []
+    propose = heads.propose
+    heads.propose = lambda *args, **kwargs: calls.append(1) or propose(*args, **kwargs)
+    hypos, _ = blockwise(model, task, sample, 4, tree=8, max_len_b=12, confidence=confidence)
+    del heads.propose
+    assert_same(expected, hypos)
+    assert bool(calls) == (confidence > 0)
