@@ -118,10 +118,23 @@ def fingerprint(model):
     return digest.hexdigest()[:16]
 
 
+@functools.cache
+def code_version():
+    """A hash of this plugin's source files: an invocation's cost changes with the code, so a
+    table measured before a change is not used after it."""
+    digest = hashlib.sha1()
+    folder = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def table_path(model, device=None):
-    """Where the table of this model on this machine is kept: a path."""
+    """Where the table of this model on this machine and this plugin's code is kept: a path."""
     device = next(model.parameters()).device if device is None else device
-    key = hashlib.sha1(f"{fingerprint(model)} {machine(device)}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{fingerprint(model)} {machine(device)} {code_version()}".encode()).hexdigest()[:16]
     folder = os.environ.get(CACHE_VARIABLE) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fairseq_bpd", "widths")
     return os.path.join(folder, f"{key}.json")
