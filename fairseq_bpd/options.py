@@ -17,7 +17,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.configs import GenerationConfig
 
 from .refusals import refuse, refuse_options
-from .tree import load_rates
+from .tree import is_rate_table, load_rates
 
 
 @dataclass
@@ -179,10 +179,11 @@ class BlockwiseOptions:
         refuse_options(self)
         rates = self.tree_rates
         if isinstance(rates, (str, os.PathLike)):
-            try:
-                rates = load_rates(rates)
-            except ValueError as error:
-                refuse(str(error))
+            rates, problem = read_rates(rates)
+            if problem:  # refused outside the except: a chained refusal prints a traceback
+                refuse(problem)
+        elif rates is not None and not is_rate_table(rates):
+            refuse(f"tree_rates must be a heads x ranks table of rates in [0, 1] (got {rates!r:.80})")
         if rates is not None:  # frozen all the way down: a table the generator cannot change
             object.__setattr__(self, "tree_rates", tuple(tuple(row) for row in rates))
 
@@ -249,3 +250,11 @@ class BlockwiseOptions:
         if self.chooses_width:
             generator.policy = default_policy(generator, self)
         return generator
+
+
+def read_rates(path):
+    """The rates table in `path` and None, or None and why it cannot be read."""
+    try:
+        return load_rates(path), None
+    except ValueError as error:
+        return None, str(error)

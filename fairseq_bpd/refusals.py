@@ -116,6 +116,8 @@ KINDS = {
     bool: ("True or False", lambda value: isinstance(value, bool)),
     int: ("an integer", lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool)),
     float: ("a number", lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool)),
+    # a path: open() would take an integer as a file descriptor of this process
+    str: ("a path (a string)", lambda value: isinstance(value, (str, os.PathLike))),
 }
 
 
@@ -192,11 +194,14 @@ def refuse_for_model(options, model, tgt_dict, proposer):
     if problem:
         refuse(problem)
     if options.distance > 0:
+        problem = None
         try:
             symbol_numbers(tgt_dict)
         except ValueError as error:
+            problem = str(error)
+        if problem:  # refused outside the except: a chained refusal prints a traceback
             refuse(f"--blockwise-distance {options.distance} needs a target dictionary of numbers "
-                   f"(such as pixel intensities), but its {error}")
+                   f"(such as pixel intensities), but its {problem}")
     rates = options.tree_rates
     if options.tree and rates is not None and len(rates) < width - 1:  # else the tree silently stops short
         refuse(f"--blockwise-tree-rates hold rates for heads 2..{len(rates) + 1}, but --block-size "

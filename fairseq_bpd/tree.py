@@ -45,10 +45,16 @@ def load_rates(path):
             rates = json.load(f)["rates"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"--blockwise-tree-rates: cannot read rates from {path} ({error})") from None
-    if not isinstance(rates, list) or not rates or not all(isinstance(row, list) and row and all(map(is_rate, row))
-                                                             for row in rates):
+    if not is_rate_table(rates):
         raise ValueError(f"--blockwise-tree-rates: {path} holds no heads x ranks table of rates in [0, 1]")
     return rates
+
+
+def is_rate_table(rates):
+    """Whether `rates` is a non-empty heads x ranks table (lists or tuples) of rates in [0, 1]."""
+    rows = (list, tuple)
+    return (isinstance(rates, rows) and bool(rates)
+            and all(isinstance(row, rows) and row and all(map(is_rate, row)) for row in rates))
 
 
 def is_rate(value):

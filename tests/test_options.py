@@ -64,6 +64,9 @@ def test_from_configs_reads_the_task_and_generation_flags(tmp_path):
     ({"adaptive": True, "tree": 4}, "--blockwise-adaptive chooses the width of a greedy chain; drop --blockwise-tree"),
     ({"tree": -1}, "--blockwise-tree must be between 0"),
     ({"tree_rates": "rates.json"}, "--blockwise-tree-rates shapes a tree"),
+    ({"tree": 4, "tree_rates": [[2.0]] * 3}, "tree_rates must be a heads x ranks table of rates in \\[0, 1\\]"),
+    ({"tree": 4, "tree_rates": [[float("nan")]] * 3}, "tree_rates must be a heads x ranks table"),
+    ({"tree": 4, "tree_rates": []}, "tree_rates must be a heads x ranks table"),
 ])
 def test_options_refuse_when_built(fields, message):
     with pytest.raises(BlockwiseRequestError, match=f"^--blockwise: {message}"):
@@ -72,7 +75,7 @@ def test_options_refuse_when_built(fields, message):
 
 @pytest.mark.parametrize("fields", [
     {"block_size": "3"}, {"block_size": 2.5}, {"block_size": True}, {"min_block": "2"}, {"tree": 2.5},
-    {"confidence": "0.3"}, {"adaptive": 1}, {"max_len_b": None},
+    {"confidence": "0.3"}, {"adaptive": 1}, {"max_len_b": None}, {"widths": 5},
 ])
 def test_a_field_of_the_wrong_kind_is_refused_by_name(fields):
     """From Python a count given as a string, a float or a bool would raise a bare TypeError later or

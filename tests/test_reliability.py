@@ -175,6 +175,19 @@ def test_commands_print_a_refusal_on_one_line(tiny):
     )
 
 
+def test_unreadable_tree_rates_and_a_distance_without_numbers_are_one_line_refusals(tiny, tmp_path):
+    """Refusals made while another error is handled (a bad rates file, a dictionary of
+    words under --blockwise-distance) still print one line, not two chained tracebacks."""
+    decode = ["--user-dir", PLUGIN, "--task", "translation_blockwise", "--path", tiny.checkpoint, "--cpu",
+              "--blockwise", "--gen-subset", "valid"]
+    bad = tmp_path / "rates.json"
+    bad.write_text("{bad")
+    assert refused("fairseq-generate", tiny.data, *decode, "--blockwise-tree", 2, "--blockwise-tree-rates",
+                   bad).startswith(f"error: --blockwise: --blockwise-tree-rates: cannot read rates from {bad}")
+    assert refused("fairseq-generate", tiny.data, *decode, "--blockwise-distance", 1).startswith(
+        "error: --blockwise: --blockwise-distance 1.0 needs a target dictionary of numbers")
+
+
 def test_training_refuses_an_adaptive_softmax_on_one_line(tiny, tmp_path):
     assert refused("fairseq-train", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
                    "--arch", "transformer_blockwise", "--block-size", 2, "--adaptive-softmax-cutoff", 20,
