@@ -52,7 +52,9 @@ def refuse_generation(args, models, prefix_allowed_tokens_fn=None, extra_gen_cls
     beam = getattr(args, "beam", 1)  # --eval-bleu-args gives only the JSON's keys
     if beam != 1:  # any beam given, fairseq's default 5 included
         decoding = "speculative sampling draws one sample" if getattr(args, "sampling", False) else "decoding is greedy"
-        refuse(f"{decoding}, but --beam {beam} was given; use --beam 1 or drop --blockwise")
+        # fairseq's hub translate() passes beam=5 unless told: say how to ask for 1 there too
+        refuse(f"{decoding}, but --beam {beam} was given; use --beam 1 (from the hub: translate(..., beam=1)) "
+               f"or drop --blockwise")
     if getattr(args, "nbest", 1) > 1:
         refuse("gives one hypothesis; --nbest must be 1")
     for name in REFUSED:

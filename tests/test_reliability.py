@@ -167,7 +167,8 @@ def test_commands_print_a_refusal_on_one_line(tiny):
     decode = ["--user-dir", PLUGIN, "--task", "translation_blockwise", "--path", tiny.checkpoint, "--cpu",
               "--blockwise"]
     assert refused("fairseq-generate", tiny.data, *decode, "--beam", 5) == (
-        "error: --blockwise: decoding is greedy, but --beam 5 was given; use --beam 1 or drop --blockwise"
+        "error: --blockwise: decoding is greedy, but --beam 5 was given; use --beam 1 (from the hub: "
+        "translate(..., beam=1)) or drop --blockwise"
     )
     assert refused("fairseq-interactive", tiny.data, *decode, "--diversity-rate", -0.5,
                    "--source-lang", "de", "--target-lang", "en", stdin="s1 s2\n").startswith(
