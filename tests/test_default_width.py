@@ -190,6 +190,7 @@ def widths_chosen(output):
 def test_calibrate_then_generate_with_blockwise_alone(tmp_path_factory, tmp_path):
     tiny = trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))  # test_cli's model, trained once
     env = {**ENV, "FAIRSEQ_BPD_WIDTHS": str(tmp_path / "cache")}
+    source = widths.code_version.__wrapped__()  # the table's key holds it: read afresh
     out = python("calibrate_widths.py", "--data", tiny.data, "--path", tiny.checkpoint, "--batch-sizes", 1, 8,
                  "--sentences", 8, "--repeats", 1, "--cpu", "--out", tmp_path / "copy.json", env=env)
     [written] = os.listdir(tmp_path / "cache")
@@ -198,6 +199,9 @@ def test_calibrate_then_generate_with_blockwise_alone(tmp_path_factory, tmp_path
     assert table.expected[0] == 1.0 and table.expected[2] >= table.expected[1] > 1.0, out  # trained heads pass
     greedy_run = generate(tiny, "--beam", 1, "--batch-size", 8, env=env)
     default = generate(tiny, "--blockwise", "--batch-size", 8, env=env)
+    if widths.code_version.__wrapped__() != source:
+        pytest.skip("the plugin's source changed while this test ran: the table is no longer its code's")
+    assert "no width table" not in default
     assert_same_hypotheses(hypotheses(greedy_run), hypotheses(default))
     assert set(widths_chosen(default)) <= {table.width(b) for b in range(1, 9)}
     assert summary(default).sentences == 20
