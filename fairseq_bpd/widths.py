@@ -73,6 +73,7 @@ def cost_at(points, batch_size):
 
 
 def save_table(table, path):
+    """Write `table` as JSON to `path` (load_table reads it), making its folder."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     seconds = {str(w): {str(b): s for b, s in sorted(by_size.items())} for w, by_size in sorted(table.seconds.items())}
     with open(path, "w") as f:
