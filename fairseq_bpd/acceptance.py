@@ -59,7 +59,8 @@ def greedy_choice(scores, ranks):
     back to topk, whose choice among ties is fairseq's.
     """
     V = scores.size(-1)
-    if ranks == 1 and scores.numel() >= CHOICE_BY_MAXIMUM * V and V < 2 ** 24:  # indices exact in any float
+    exact = V < 2 ** 24 and scores.dtype in (torch.float32, torch.float64)  # indices exact as floats
+    if ranks == 1 and scores.numel() >= CHOICE_BY_MAXIMUM * V and exact:
         best = scores.amax(dim=-1, keepdim=True)
         hits = (scores - best).eq_(0)  # 1 at each maximum (-inf - -inf is NaN: none)
         if bool((hits.sum(dim=-1) == 1).all()):
