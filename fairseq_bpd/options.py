@@ -90,8 +90,8 @@ class BlockwiseDecodingConfig(FairseqDataclass):
             "help": "the width table that --blockwise without --block-size chooses each block's "
             "width from (scripts/calibrate_widths.py measures one: tokens and seconds per "
             "invocation by width and batch size). Default: the table measured for this model "
-            "on this machine, kept in the user's cache; without one, widths are learnt as "
-            "with --blockwise-adaptive. Output stays exactly greedy"
+            "on this machine, kept in the user's cache; without one, width 1 (greedy's step "
+            "without proposals). Output stays exactly greedy"
         },
     )
     blockwise_proposal_vocab: int = field(

@@ -13,8 +13,10 @@ setting), checkpoint.tree-rates.json and speedup.json, the record of each finish
   2. train   the heads alone on those targets (--finetune-from-model --freeze-base: head 1
              not computed; --head-loss-bf16 where the machine has bfloat16)
   3. rates   their top-r acceptance rates on the valid split (scripts/tree_rates.py)
-  4. check   fairseq-generate --blockwise on checkpoint.pt equals step 1's valid output
-  5. speed   greedy vs blockwise at batch 1 on the first valid sentences, one run each
+  4. check   fairseq-generate --blockwise at the full k on checkpoint.pt equals step 1's valid output
+  5. widths  the width table --blockwise alone chooses from (fairseq_bpd/widths.py), measured
+             on this machine: in the user's cache and as checkpoint.widths.json
+  6. speed   greedy vs --blockwise at batch 1 on the first valid sentences, one run each
 
 A rerun skips the finished steps; an interrupted training resumes from fairseq's
 checkpoint_last.pt. A module rather than a script, so that an installed plugin has it too
@@ -36,7 +38,7 @@ from fairseq.models.transformer import TransformerModel
 from .model import BlockwiseTransformerModel
 from .speedup_steps import (
     DATE_FORMAT, LOG_FORMAT, PLUGIN, check, distil, minutes, model_options, rates, refuse, say, speed, train,
-    training_args,
+    training_args, widths,
 )
 
 STEPS = {  # in order: what each step does, as the command says it
@@ -44,6 +46,7 @@ STEPS = {  # in order: what each step does, as the command says it
     "train": (train, "the heads alone on those targets, the model frozen"),
     "rates": (rates, "the heads' top-r acceptance rates on the valid split, for --blockwise-tree-rates"),
     "check": (check, "fairseq-generate --blockwise on the valid split equals the model's greedy output"),
+    "widths": (widths, "the widths --blockwise alone chooses, measured on this machine"),
     "speed": (speed, "greedy vs blockwise at batch 1 on the first valid sentences, one run each"),
 }
 # A shortlist pays where the dictionary is large; a small one is cheap in full.

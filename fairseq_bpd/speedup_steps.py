@@ -22,6 +22,7 @@ from fairseq.models.transformer import TransformerModel
 
 PLUGIN = os.path.dirname(os.path.abspath(__file__))
 TREE_RATES = os.path.join(os.path.dirname(PLUGIN), "scripts", "tree_rates.py")
+WIDTH_BATCH_SIZES = (1, 8, 32)  # the width table's, for step 5: what fairseq-generate is run at
 BATCHES = r"(\d+) / (\d+) wps"  # fairseq-generate's progress: batches done, of how many
 LOG_FORMAT, DATE_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s", "%Y-%m-%d %H:%M:%S"  # fairseq's
 
@@ -254,7 +255,9 @@ def check(run, job):
     with open(output, "w") as out, open(log, "w") as err:
         process = subprocess.Popen(
             [sys.executable, "-m", "fairseq_cli.generate", job.data, "--path", run.file("checkpoint.pt"),
-             "--user-dir", PLUGIN, "--task", "translation_blockwise", "--blockwise", "--gen-subset", "valid",
+             "--user-dir", PLUGIN, "--task", "translation_blockwise", "--blockwise",
+             "--block-size", str(job.proposal_heads),  # all k heads: what they accept, whatever width pays
+             "--gen-subset", "valid",
              "--source-lang", job.src, "--target-lang", job.tgt, *map(str, job.batching)],
             stdout=out, stderr=subprocess.PIPE, text=True)
         for line in process.stderr:
@@ -273,6 +276,24 @@ def check(run, job):
         summary = re.search(r"(\d+) decoder invocations, mean accepted block size ([\d.]+)", f.read())
     say(f"{len(expected)}/{len(expected)} valid sentences identical to CHECKPOINT's greedy output")
     return {"identical": len(expected), "invocations": int(summary.group(1)), "mean_accepted": float(summary.group(2))}
+
+
+def widths(run, job):
+    """Step 5: the width table --blockwise alone chooses each block's width from, measured on this
+    machine on the valid split (fairseq_bpd/widths.py), in the user's cache and beside the checkpoint."""
+    from . import bench
+    from .widths import calibrate, save_table, table_path
+
+    device = bench.pick_device(bool(job.cpu))
+    heads, task, _ = bench.load(run.file("checkpoint.pt"), job.data)
+    heads.to(device)
+    table = calibrate(heads, task, "valid", WIDTH_BATCH_SIZES, job.speed_sentences, 1, device)
+    out = run.file("checkpoint.widths.json")
+    for path in (table_path(heads, device), out):
+        save_table(table, path)
+    chosen = " ".join(f"{b}:{table.width(b)}" for b in WIDTH_BATCH_SIZES)
+    say(f"widths --blockwise chooses by batch size: {chosen} (batch:width; {out})")
+    return {"file": out, "chosen": {b: table.width(b) for b in WIDTH_BATCH_SIZES}}
 
 
 def speed(run, job):

@@ -8,8 +8,10 @@ user's cache under a fingerprint of the model and the machine. `--blockwise` alo
 it there (or takes `--blockwise-widths FILE`) and gives every block the width of most
 expected tokens per second at the batch size still decoding: the batch shrinks as its
 sentences finish, and the best width with it. Without a table for this model and machine
-it falls back to adaptive.py's AdaptiveWidth, which learns rates and costs as it decodes
-(--blockwise-adaptive). Exact either way: only the width changes.
+it decodes at width 1 (no proposals: the lean greedy step, which is never slower than
+fairseq's own) and says how to measure one: learning costs while decoding
+(--blockwise-adaptive, adaptive.py) pays its trials and timing noise, and on a shared or
+small machine that measured slower than greedy. Exact either way: only the width changes.
 """
 import functools
 import hashlib
@@ -23,8 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .adaptive import AdaptiveWidth, choose_width
+from .adaptive import choose_width
 from .errors import BlockwiseRequestError
+from .generator import FixedWidth
+from .options import BlockwiseOptions
 
 logger = logging.getLogger(__name__)
 
@@ -166,14 +170,15 @@ class TableWidth:
 
 def default_policy(generator, options):
     """The width policy of `--blockwise` alone for `generator` (its model, block_size and
-    stats): options.widths' table, else this model's table on this machine, else AdaptiveWidth."""
+    stats): options.widths' table, else this model's table on this machine, else width 1."""
     path, given = options.widths, bool(options.widths)
     if not given:
         path = table_path(generator.model)
         if not os.path.exists(path):
-            say_once(f"no width table for this model on this machine ({path}; scripts/calibrate_widths.py "
-                     f"measures one): each block's width is learnt as it decodes")
-            return AdaptiveWidth(generator.block_size, generator.stats)
+            say_once(f"no width table for this model on this machine ({path}): decoding at width 1, "
+                     f"greedy's step without proposals; scripts/calibrate_widths.py measures a table "
+                     f"(a minute or two), --block-size N fixes a width")
+            return FixedWidth(1)
     table = load_table(path)
     if len(table.expected) != generator.block_size:
         raise BlockwiseRequestError(f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, "
@@ -267,3 +272,22 @@ def nondecreasing(values):
             (mean, count), (last, n) = blocks[-2], blocks.pop()
             blocks[-1] = [(mean * count + last * n) / (count + n), count + n]
     return [mean for mean, count in blocks for _ in range(count)]
+
+
+def calibrate(model, task, subset, batch_sizes, sentences, repeats, device):
+    """The WidthTable of `model` on this machine, measured on `subset` (scripts/calibrate_widths.py;
+    python -m fairseq_bpd.speedup's widths step)."""
+    from . import bench  # the benchmark harness (sacrebleu and all), only when calibrating
+
+    k = bench.full_width(model)
+    generator = BlockwiseOptions(block_size=k).generator(model, task.target_dictionary)
+    policy = TimedWidths(k)
+    for batch_size in batch_sizes:
+        samples = bench.batches(task, subset, batch_size, max(sentences, batch_size), device)
+        generator.policy = TimedWidths(k)  # a warm-up, not timed: the first decode of a shape allocates
+        bench.decode(generator, model, samples[:1])
+        generator.policy = policy
+        for _ in range(repeats):
+            bench.decode(generator, model, samples)
+        print(f"batch {batch_size}: {len(samples)} batches x {repeats} rounds timed", flush=True)
+    return policy.table(machine(device), fingerprint(model))

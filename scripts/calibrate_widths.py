@@ -17,24 +17,7 @@ import argparse
 import os
 
 from fairseq_bpd import bench
-from fairseq_bpd.options import BlockwiseOptions
-from fairseq_bpd.widths import TimedWidths, fingerprint, machine, save_table, table_path
-
-
-def calibrate(model, task, subset, batch_sizes, sentences, repeats, device):
-    """The WidthTable of `model` on this machine, measured on `subset`."""
-    k = bench.full_width(model)
-    generator = BlockwiseOptions(block_size=k).generator(model, task.target_dictionary)
-    policy = TimedWidths(k)
-    for batch_size in batch_sizes:
-        samples = bench.batches(task, subset, batch_size, max(sentences, batch_size), device)
-        generator.policy = TimedWidths(k)  # a warm-up, not timed: the first decode of a shape allocates
-        bench.decode(generator, model, samples[:1])
-        generator.policy = policy
-        for _ in range(repeats):
-            bench.decode(generator, model, samples)
-        print(f"batch {batch_size}: {len(samples)} batches x {repeats} rounds timed", flush=True)
-    return policy.table(machine(device), fingerprint(model))
+from fairseq_bpd.widths import calibrate, save_table, table_path
 
 
 def main():

@@ -17,7 +17,7 @@ from conftest import PLUGIN
 
 BIN = os.path.dirname(sys.executable)
 # One thread per process: the machine has two cores, and a tiny model gains nothing.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # conftest's FAIRSEQ_BPD_WIDTHS included
 BLOCK_SIZE = 3
 TINY_ARCH = [
     "--encoder-layers", "1", "--decoder-layers", "1",

@@ -1,11 +1,15 @@
 """Tiny seeded blockwise models built through fairseq's own parser, task and builders."""
 import os
 import random
+import tempfile
 
 import pytest
 import torch
 from fairseq import options, tasks, utils
 
+# Width tables (--blockwise alone) in a folder of the test run's own, not the user's cache: a
+# table measured there for a model of the same weights would change what the tests decode.
+os.environ["FAIRSEQ_BPD_WIDTHS"] = tempfile.mkdtemp(prefix="fairseq_bpd-test-widths-")
 PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fairseq_bpd")
 VOCAB = 24  # words w0..w23 besides fairseq's four specials
 

@@ -45,9 +45,11 @@ def commands(tiny, tmp_path):
                                        "--path", tiny.checkpoint, "--batch-size", "8", "--out", rates],
                       check=True, capture_output=True, text=True, env=ENV)
     return {
-        "blockwise 1": partial(ours, "--blockwise", "--print-step", "--batch-size", 1),
+        # the chain at the checkpoint's k; --blockwise alone, with no width table here, is width 1
+        "blockwise 1": partial(ours, "--blockwise", "--block-size", BLOCK_SIZE, "--print-step", "--batch-size", 1),
         "greedy 1": partial(ours, "--beam", 1, "--batch-size", 1),
-        "blockwise 32": partial(ours, "--blockwise", "--print-step", "--batch-size", 32),
+        "blockwise 32": partial(ours, "--blockwise", "--block-size", BLOCK_SIZE, "--print-step", "--batch-size", 32),
+        "default 32": partial(ours, "--blockwise", "--print-step", "--batch-size", 32),
         "greedy 32": partial(ours, "--beam", 1, "--batch-size", 32),
         "stock greedy": partial(stock, "--beam", 1),
         "stock beam": partial(stock, "--beam", 4),
@@ -106,6 +108,14 @@ def test_generate_blockwise_equals_greedy(runs, batch_size):
     stats = summary(blockwise)
     assert stats.sentences == N and stats.invocations == sum(steps(blockwise).values())
     assert not SUMMARY.search(greedy)
+
+
+def test_blockwise_alone_without_a_width_table_decodes_greedy_at_width_one(runs):
+    default = generated(runs, "default 32")
+    assert_same_hypotheses(hypotheses(generated(runs, "greedy 32")), hypotheses(default))
+    assert "no width table for this model on this machine" in default and "decoding at width 1" in default
+    stats = summary(default)
+    assert stats.invocations == stats.tokens and set(stats.histogram) == {1}
 
 
 def test_print_step_counts_decoder_invocations(runs):

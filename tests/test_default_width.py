@@ -13,9 +13,8 @@ from cli_support import ENV, PLUGIN, assert_same_hypotheses, hypotheses, summary
 from conftest import build, random_sample
 from test_generator import assert_same, greedy
 
-from fairseq_bpd.adaptive import AdaptiveWidth
 from fairseq_bpd.errors import BlockwiseRequestError
-from fairseq_bpd.generator import BlockwiseStats
+from fairseq_bpd.generator import BlockwiseStats, FixedWidth
 from fairseq_bpd import widths
 from fairseq_bpd.options import BlockwiseOptions
 from fairseq_bpd.widths import (
@@ -131,19 +130,24 @@ def cache(tmp_path, monkeypatch):
     return folder
 
 
-def test_the_default_finds_its_table_or_learns_as_it_decodes(data_dir, cache, tmp_path, monkeypatch):
+def is_width_one(policy):
+    """Without a table the default decodes at width 1, greedy's step without proposals."""
+    return isinstance(policy, FixedWidth) and policy.width(1) == policy.width(64) == 1
+
+
+def test_the_default_finds_its_table_or_decodes_at_width_one(data_dir, cache, tmp_path, monkeypatch):
     task, model, _ = build(data_dir, "--block-size", "4", seed=3)
     d = task.target_dictionary
-    assert isinstance(BlockwiseOptions().generator(model, d).policy, AdaptiveWidth)  # no table here
+    assert is_width_one(BlockwiseOptions().generator(model, d).policy)  # no table here
     assert type(BlockwiseOptions(block_size=4).generator(model, d).policy).__name__ == "FixedWidth"
     save_table(hand_made(), table_path(model))
     policy = BlockwiseOptions().generator(model, d).policy
     assert isinstance(policy, TableWidth) and policy.table == hand_made()
     other = build(data_dir, "--block-size", "4", seed=4)[1]  # other weights: not its table
-    assert isinstance(BlockwiseOptions().generator(other, d).policy, AdaptiveWidth)
+    assert is_width_one(BlockwiseOptions().generator(other, d).policy)
     with monkeypatch.context() as patch:  # changed code: not its table either
         patch.setattr(widths, "code_version", lambda: "changed")
-        assert isinstance(BlockwiseOptions().generator(model, d).policy, AdaptiveWidth)
+        assert is_width_one(BlockwiseOptions().generator(model, d).policy)
     save_table(hand_made(3), str(tmp_path / "k3.json"))
     with pytest.raises(BlockwiseRequestError, match="widths 1..3, the checkpoint's k is 4"):
         BlockwiseOptions(widths=str(tmp_path / "k3.json")).generator(model, d)

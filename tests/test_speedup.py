@@ -72,6 +72,18 @@ def test_every_step_ran_and_the_end_says_what_the_heads_accept_and_the_speed(mad
     assert "| INFO | train_inner |" in made["output"]  # fairseq's own log lines
 
 
+def test_the_width_table_is_measured_for_blockwise_alone(made):
+    """Step 5 writes the table --blockwise alone finds (the user's cache: the tests' own folder)
+    and a copy beside the checkpoint; the speed step's blockwise decoder then uses it."""
+    from fairseq_bpd.widths import load_table
+
+    table = load_table(str(made["out"] / "checkpoint.widths.json"))
+    assert len(table.expected) == 3 and table.expected[0] == 1.0
+    assert any(name.endswith(".json") for name in os.listdir(os.environ["FAIRSEQ_BPD_WIDTHS"]))
+    chosen = json.loads((made["out"] / "speedup.json").read_text())["steps"]["widths"]["chosen"]
+    assert "widths --blockwise chooses by batch size: " + " ".join(f"{b}:{w}" for b, w in chosen.items()) in made["output"]
+
+
 def test_tree_rates_are_written_beside_the_checkpoint(made):
     rates = json.loads((made["out"] / "checkpoint.tree-rates.json").read_text())
     assert len(rates["rates"]) == 2 and rates["subset"] == "valid" and rates["sentences"] == 20
@@ -83,7 +95,7 @@ def test_a_rerun_skips_the_finished_steps(made):
                               "--proposal-heads", 3, "--cpu", "--num-workers", 0)
     assert status == 0, output[-3000:]
     for n, name in enumerate(speedup.STEPS, 1):
-        assert f"step {n}/5 {name}: done, skipped" in output
+        assert f"step {n}/{len(speedup.STEPS)} {name}: done, skipped" in output
     assert "the heads accept" in output
     assert os.path.getmtime(made["out"] / "checkpoint.pt") == before
 
@@ -107,12 +119,12 @@ def test_an_interrupted_training_resumes_from_checkpoint_last(made, tmp_path):
     assert process.returncode != 0
     status, output = speed_up(*argv[3:])
     assert status == 0, output[-3000:]
-    assert "step 1/5 distil: done, skipped" in output and "step 2/5 train: done in" in output
+    assert "step 1/6 distil: done, skipped" in output and "step 2/6 train: done in" in output
     resumed = re.search(rf"Loaded checkpoint {out}/train/checkpoint_last.pt \(epoch \d+ @ (\d+) updates\)", output)
     assert resumed and 0 < int(resumed.group(1)) < UPDATES, output[-3000:]
     assert json.loads((out / "speedup.json").read_text())["steps"]["train"]["updates"] == UPDATES
     status, output = speed_up(*argv[3:])  # finished training is not resumed
-    assert status == 0 and "step 2/5 train: done, skipped" in output
+    assert status == 0 and "step 2/6 train: done, skipped" in output
 
 
 def refused(*args):
@@ -176,7 +188,7 @@ def test_a_blockwise_output_that_is_not_the_greedy_output_fails_the_check(made, 
     out = tmp_path / "out"
     shutil.copytree(made["out"], out)
     record = json.loads((out / "speedup.json").read_text())
-    del record["steps"]["check"], record["steps"]["speed"]
+    del record["steps"]["check"], record["steps"]["widths"], record["steps"]["speed"]
     (out / "speedup.json").write_text(json.dumps(record))
     reference = (out / "text" / "greedy-valid.txt").read_text().splitlines()
     changed = next(i for i, line in enumerate(reference) if line.startswith("H-"))
