@@ -7,7 +7,7 @@ Each --rows entry is a decoder spec, KIND[:VALUE] then options after commas:
                 baseline, always timed (identity and speedups are against it)
   width:N       blockwise, a chain of width N (--block-size N)
   default       --blockwise alone: each block's width from this model's width table on this
-                machine (scripts/calibrate_widths.py), else learnt as it decodes; `default,widths=FILE`
+                machine (scripts/calibrate_widths.py), else width 1; `default,widths=FILE`
                 names a table
   k             blockwise at the checkpoint's full width (--block-size k)
   adaptive[:N]  --blockwise-adaptive, widths up to N (default k)
