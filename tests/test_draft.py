@@ -353,7 +353,8 @@ def test_a_frozen_base_translates_unchanged_through_the_clis(tmp_path_factory):
         "--disable-validation", "--save-dir", save)
     common = ("--user-dir", PLUGIN, "--task", "translation_blockwise", "--cpu", "--batch-size", 8)
     greedy_out = run("fairseq-generate", tiny.data, "--path", tiny.checkpoint, *common, "--beam", 1)
-    drafted = run("fairseq-generate", tiny.data, "--path", f"{save}/checkpoint_last.pt", *common, "--blockwise")
+    drafted = run("fairseq-generate", tiny.data, "--path", f"{save}/checkpoint_last.pt", *common, "--blockwise",
+                  "--block-size", BLOCK_SIZE)  # all k: --blockwise alone here (no width table) is width 1
     assert_same_hypotheses(hypotheses(greedy_out), hypotheses(drafted))
     assert summary(drafted).mean > 1.0  # the draft proposes what the base accepts
     with open(f"{tiny.raw}/test.de") as f:
