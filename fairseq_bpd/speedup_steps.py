@@ -282,12 +282,17 @@ def widths(run, job):
     """Step 5: the width table --blockwise alone chooses each block's width from, measured on this
     machine on the valid split (fairseq_bpd/widths.py), in the user's cache and beside the checkpoint."""
     from . import bench
+    from .errors import BlockwiseRequestError
     from .widths import calibrate, save_table, table_path
 
     device = bench.pick_device(bool(job.cpu))
     heads, task, _ = bench.load(run.file("checkpoint.pt"), job.data)
     heads.to(device)
-    table = calibrate(heads, task, "valid", WIDTH_BATCH_SIZES, job.speed_sentences, 1, device)
+    try:
+        table = calibrate(heads, task, "valid", WIDTH_BATCH_SIZES, job.speed_sentences, 1, device)
+    except BlockwiseRequestError as error:  # the heads serve without a table: go on to the speed
+        say(f"warning: no width table ({error}); --blockwise alone decodes at width 1, a rerun tries again")
+        return None
     out = run.file("checkpoint.widths.json")
     for path in (table_path(heads, device), out):
         save_table(table, path)

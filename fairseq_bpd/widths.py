@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -94,8 +95,14 @@ def load_table(path):
         seconds = {int(w): {int(b): float(s) for b, s in by_size.items()} for w, by_size in raw["seconds"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise BlockwiseRequestError(f"--blockwise-widths: cannot read a width table from {path} ({error!r})") from None
-    if not expected or sorted(seconds) != list(range(1, len(expected) + 1)) or not all(seconds.values()):
-        raise BlockwiseRequestError(f"--blockwise-widths: {path} holds no seconds for every width 1..{len(expected)}")
+    if not isinstance(raw["expected"], list) or not expected or sorted(seconds) != list(range(1, len(expected) + 1)) \
+            or not all(seconds.values()):
+        raise BlockwiseRequestError(f"--blockwise-widths: {path} holds no list of tokens per block with seconds "
+                                    f"for each of its widths")
+    values = [*expected, *(c for by_size in seconds.values() for c in by_size.values())]
+    if not all(math.isfinite(v) and v > 0 for v in values) or min(expected) < 1:
+        raise BlockwiseRequestError(f"--blockwise-widths: {path} holds a value that is no finite positive "
+                                    f"cost or a block of under one token")
     return WidthTable(expected, seconds, raw.get("machine", ""), raw.get("model", ""))
 
 
@@ -179,13 +186,22 @@ def default_policy(generator, options):
                      f"greedy's step without proposals; scripts/calibrate_widths.py measures a table "
                      f"(a minute or two), --block-size N fixes a width")
             return FixedWidth(1)
-    table = load_table(path)
+    try:
+        table = load_table(path)
+    except BlockwiseRequestError as error:
+        if given:
+            raise
+        logger.warning(f"{error}; decoding at width 1 (scripts/calibrate_widths.py measures the table again)")
+        return FixedWidth(1)
     if len(table.expected) != generator.block_size:
         raise BlockwiseRequestError(f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, "
                                     f"the checkpoint's k is {generator.block_size}")
     here = machine(next(generator.model.parameters()).device)
     if given and table.machine != here:
         logger.warning(f"--blockwise-widths: {path} was measured on {table.machine!r}, this is {here!r}")
+    if given and table.model and table.model != fingerprint(generator.model):
+        logger.warning(f"--blockwise-widths: {path} was measured for another model: its tokens per block "
+                       f"are that model's heads'")
     return TableWidth(table, generator.stats)
 
 
@@ -235,7 +251,16 @@ class TimedWidths:
         # A wider block keeps at least what a narrower one would at the same position: a
         # narrower width measured higher is sampling noise.
         expected = np.maximum.accumulate(expected).tolist()
-        return WidthTable(expected, {w: pooled(self.seconds[w], least) for w in self.seconds}, machine, model)
+        costs = {w: pooled(self.seconds[w], least) for w in self.seconds}
+        # Widths are compared at the pools every width was timed in: a width timed only at
+        # small batches would extrapolate flat and look cheap where the others were measured.
+        common = set.intersection(*({pool_of(b) for b in by_size} for by_size in costs.values()))
+        if not common:
+            raise BlockwiseRequestError(
+                f"calibration: too few timed blocks to compare widths 1..{self.widest} at any batch size "
+                f"(each width needs {least} in one pool of batch sizes): give more --sentences or --repeats")
+        costs = {w: {b: c for b, c in by_size.items() if pool_of(b) in common} for w, by_size in costs.items()}
+        return WidthTable(expected, costs, machine, model)
 
 
 # A calibration pools the timings of nearby batch sizes (a batch of 128 shrinks through every

@@ -30,6 +30,10 @@ def main():
     ap.add_argument("--if-missing", action="store_true", help="measure only if this model has no table here yet")
     bench.add_device_args(ap)
     args = ap.parse_args()
+    for flag, values in (("--batch-sizes", args.batch_sizes), ("--sentences", [args.sentences]),
+                         ("--repeats", [args.repeats])):
+        if min(values) < 1:
+            ap.error(f"{flag} must be at least 1 (got {min(values)})")
     model, task, device, _ = bench.setup(args)
     if args.if_missing and os.path.exists(table_path(model, device)):
         print(f"this model's width table on this machine: {table_path(model, device)}")

@@ -96,9 +96,21 @@ def test_timed_widths_take_turns_and_measure_tokens_per_block():
     assert {w: dict(s) for w, s in policy.seconds.items()} == {1: {4: [1.0]}, 2: {4: [2.0], 3: [2.0]}, 3: {4: [3.0]}}
     table = policy.table(least=1)
     assert table.expected == pytest.approx([1.0, 12 / 7, 2.0])  # tokens added per sentence-block
-    assert table.seconds == {1: {4: 1.0}, 2: {3: 2.0, 4: 2.0}, 3: {4: 3.0}}
+    assert table.seconds == {1: {4: 1.0}, 2: {4: 2.0}, 3: {4: 3.0}}  # the pools every width was timed in
     policy.added[3] = 4  # a wider width measured below a narrower one: noise, raised to it
     assert policy.table(least=1).expected == pytest.approx([1.0, 12 / 7, 12 / 7])
+    with pytest.raises(BlockwiseRequestError, match="too few timed blocks to compare widths 1..3"):
+        policy.table(least=2)  # no pool holds two timings of every width
+
+
+def test_a_width_timed_at_other_batch_sizes_only_is_not_compared_there():
+    """Widths timed in no common pool of batch sizes give no table: compared across pools, one
+    timed only at small batches would look cheap at large ones."""
+    policy = TimedWidths(2)
+    policy.seconds[1][1] += [1.0, 1.0]
+    policy.seconds[2][8] += [2.0, 2.0]
+    with pytest.raises(BlockwiseRequestError, match="give more --sentences or --repeats"):
+        policy.table(least=1)
 
 
 def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
@@ -107,8 +119,17 @@ def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
     assert load_table(path) == hand_made()
     with open(path, "w") as f:
         json.dump({"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}}}, f)
-    with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: .* every width 1..2"):
+    with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: .* seconds for each of its widths"):
         load_table(path)
+    for bad in ({"expected": "12", "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}},
+                {"expected": [1.0, 1.5], "seconds": {"1": {"1": float("nan")}, "2": {"1": 1.0}}},
+                {"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": -1.0}}},
+                {"expected": [1.0, float("inf")], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}},
+                {"expected": [0.5, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}}):
+        with open(path, "w") as f:
+            json.dump(bad, f)
+        with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: "):
+            load_table(path)
     with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: cannot read"):
         load_table(str(tmp_path / "missing.json"))
 
@@ -148,6 +169,11 @@ def test_the_default_finds_its_table_or_decodes_at_width_one(data_dir, cache, tm
     with monkeypatch.context() as patch:  # changed code: not its table either
         patch.setattr(widths, "code_version", lambda: "changed")
         assert is_width_one(BlockwiseOptions().generator(model, d).policy)
+    with open(table_path(model), "w") as f:  # a broken table in the cache: width 1, said, not refused
+        f.write("{")
+    assert is_width_one(BlockwiseOptions().generator(model, d).policy)
+    with pytest.raises(BlockwiseRequestError, match="cannot read a width table"):  # one the user named is
+        BlockwiseOptions(widths=table_path(model)).generator(model, d)
     save_table(hand_made(3), str(tmp_path / "k3.json"))
     with pytest.raises(BlockwiseRequestError, match="widths 1..3, the checkpoint's k is 4"):
         BlockwiseOptions(widths=str(tmp_path / "k3.json")).generator(model, d)
