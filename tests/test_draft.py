@@ -4,7 +4,7 @@ import torch
 
 from conftest import build, random_sample
 from test_criterion import SMOOTHING, criterion, translation_batch
-from test_generator import assert_same, blockwise, greedy
+from test_generator import assert_same, blockwise, ending_at_block_offsets, greedy
 
 from fairseq_bpd.draft import DraftDecoder
 from fairseq_bpd.errors import BlockwiseRequestError
@@ -153,14 +153,7 @@ def eos_draft(data_dir):
     """A k=4 draft model whose greedy output ends at several offsets of a block: model, task,
     sample and greedy's hypotheses."""
     task, model = random_draft(data_dir, 4, seed=5)
-    eos = task.target_dictionary.eos()
-    # A bias on EOS makes this tiny model end sentences after a few tokens.
-    model.decoder.output_projection.register_forward_hook(
-        lambda module, inputs, out: out + 0.5 * (torch.arange(out.size(-1)) == eos)
-    )
-    sample = random_sample(task, bsz=8, seed=4)
-    expected = greedy(model, task, sample)
-    assert len({len(e["tokens"]) % 4 for e in expected}) > 2, "EOS should fall at several block offsets"
+    sample, expected = ending_at_block_offsets(model, task)
     return model, task, sample, expected
 
 

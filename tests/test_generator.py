@@ -193,10 +193,9 @@ def test_greedy_options_keep_their_meaning(data_dir, options):
     assert_same(expected, blockwise(model, task, sample, 4, **options)[0])
 
 
-def eos_ending(data_dir):
-    """A k=4 model whose greedy output ends at several offsets of a block: model, task,
-    sample, greedy's hypotheses and their tokens."""
-    task, model, _ = build(data_dir, "--block-size", "4", seed=5)
+def ending_at_block_offsets(model, task):
+    """Bias a tiny k=4 model towards EOS so that its greedy output ends at several
+    offsets of a block: the sample and greedy's hypotheses."""
     eos = task.target_dictionary.eos()
     # A bias on EOS makes this tiny model end sentences after 2 to 20 tokens.
     model.decoder.output_projection.register_forward_hook(
@@ -205,6 +204,14 @@ def eos_ending(data_dir):
     sample = random_sample(task, bsz=8, seed=4)
     expected = greedy(model, task, sample)
     assert len({len(e["tokens"]) % 4 for e in expected}) > 2, "EOS should fall at several block offsets"
+    return sample, expected
+
+
+def eos_ending(data_dir):
+    """A k=4 model whose greedy output ends at several offsets of a block: model, task,
+    sample, greedy's hypotheses and their tokens."""
+    task, model, _ = build(data_dir, "--block-size", "4", seed=5)
+    sample, expected = ending_at_block_offsets(model, task)
     return model, task, sample, expected, [e["tokens"] for e in expected]
 
 
