@@ -6,6 +6,9 @@ features f_j and the embedding of the next token x_{j+1}, run autoregressively. 
 the encoder-decoder version: the layer also attends to the base's encoder output (where
 the words still to be translated are), as SpecDec's drafter does (Xia et al., 2023).
 """
+import math
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +17,7 @@ from fairseq.modules import LayerNorm, MultiheadAttention
 
 from .errors import BlockwiseRequestError
 from .heads import Proposer, after_head1, best_tokens, following_tokens, shortlist_logits
+from .static_pass import norm, product, transposed
 from .targets import shift_target
 
 
@@ -39,36 +43,79 @@ def keys_values(attention, x):
     return split_heads(attention.k_proj(x), h), split_heads(attention.v_proj(x), h)
 
 
+class Waiting(NamedTuple):
+    """Accepted positions not yet fed to the draft: features b x M x C, their next tokens
+    b x M, how many of the M are real in each row (b), and the longest accepted prefix once
+    they and the last position are fed (a host int, so that no draft step asks the device)."""
+
+    features: torch.Tensor
+    tokens: torch.Tensor
+    count: torch.Tensor
+    longest: int
+
+
+class DraftWeights:
+    """The draft's decoding weights, arranged once per change: products as x · Wᵀ on
+    contiguous copies (static_pass.transposed), the self-attention's q, k and v in one, and
+    W_in's token half folded into a table: entry z = f · W_fᵀ + table[x], with
+    table = (s E) W_tᵀ + b_in for every token (one row lookup instead of a product and a cat)."""
+
+    def __init__(self, draft):
+        decoder, width = draft.decoder, draft.fc_in.weight.size(0)
+        w_in = draft.fc_in.weight.detach()  # C x (C + E): the features' columns, then the token's
+        embedded = decoder.embed_scale * decoder.embed_tokens.weight.detach()  # V x E
+        self.table = torch.addmm(draft.fc_in.bias.detach(), embedded, w_in[:, width:].t())  # V x C
+        self.features_in = w_in[:, :width].t().contiguous()  # C x C
+        attention, source = draft.self_attn, draft.encoder_attn
+        self.qkv = transposed(attention.q_proj, attention.k_proj, attention.v_proj)  # C x 3C
+        self.self_out, self.source_query = transposed(attention.out_proj), transposed(source.q_proj)
+        self.source_out, self.fc_out = transposed(source.out_proj), transposed(draft.fc_out)
+        self.ffn1, self.ffn2 = transposed(draft.ffn1), transposed(draft.ffn2)
+        self.heads, self.activation_fn = attention.num_heads, draft.activation_fn
+        self.norms = (draft.self_attn_norm, draft.encoder_attn_norm, draft.ffn_norm, draft.final_norm)
+
+
 class DraftState:
     """What the draft keeps across a batch's blocks, one row per sentence.
 
-    keys, values: b x H x L x d, its self-attention entries (columns past `length` are a
-    proposal's and are overwritten); length: b, entries of the accepted prefix; source:
-    the encoder output's keys and values b x H x S x d and where to attend b x 1 x S; pending:
-    the accepted positions not yet fed (features b x M x C, their next tokens b x M,
-    and how many are real, b); encoder: the encoder tensor these belong to.
+    kv: b x 2 x H x L x d, its self-attention keys and values (zeros where never written;
+    columns past `length` are a proposal's and are overwritten); length: b, entries of the
+    accepted prefix, at most `longest` (host int); source: the encoder output's keys and
+    values b x H x S x d and its additive mask b x 1 x 1 x S; pending: Waiting, or None;
+    proposed: whether the block being verified is this state's proposal; encoder: the
+    encoder tensor these belong to; weights: DraftWeights.
     """
 
-    def __init__(self, keys, values, source_keys, source_values, source_allowed, encoder):
-        self.keys, self.values = keys, values
-        self.length = torch.zeros(keys.size(0), dtype=torch.long, device=keys.device)
-        self.source_keys, self.source_values, self.source_allowed = source_keys, source_values, source_allowed
-        self.pending = None
-        self.encoder = encoder
+    def __init__(self, kv, source_keys, source_values, source_mask, encoder, weights):
+        self.kv, self.weights, self.encoder = kv, weights, encoder
+        self.length = torch.zeros(kv.size(0), dtype=torch.long, device=kv.device)
+        self.longest, self.pending, self.proposed = 0, None, False
+        self.source_keys, self.source_values, self.source_mask = source_keys, source_values, source_mask
+        self.rows = torch.arange(kv.size(0), device=kv.device)
+        self.positions = torch.arange(kv.size(3), device=kv.device)
 
     def select(self, rows):
-        for name in ("keys", "values", "length", "source_keys", "source_values", "source_allowed"):
+        for name in ("kv", "length", "source_keys", "source_values", "source_mask"):
             setattr(self, name, getattr(self, name)[rows])
         if self.pending is not None:
-            self.pending = tuple(t[rows] for t in self.pending)
+            self.pending = self.pending._replace(features=self.pending.features[rows],
+                                                 tokens=self.pending.tokens[rows], count=self.pending.count[rows])
+        self.rows = self.rows[: len(rows)]
         self.encoder = None  # the generator reorders the encoder output too: adopt the next one
 
     def reserve(self, columns):
         """Room for `columns` entries in every row (doubling, so that growth is rare)."""
-        if columns > self.keys.size(2):
-            extra = max(columns, 2 * self.keys.size(2)) - self.keys.size(2)
-            pad = self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.size(3))
-            self.keys, self.values = torch.cat([self.keys, pad], dim=2), torch.cat([self.values, pad], dim=2)
+        if columns > self.kv.size(3):
+            grown = self.kv.new_zeros(*self.kv.shape[:3], max(columns, 2 * self.kv.size(3)), self.kv.size(4))
+            grown[:, :, :, : self.kv.size(3)] = self.kv
+            self.kv = grown
+            self.positions = torch.arange(grown.size(3), device=grown.device)
+
+    def mask(self, columns, used):
+        """The additive self-attention mask of entries at `columns` (b x m): each sees the
+        columns up to its own, b x 1 x m x used."""
+        later = self.positions[:used] > columns[..., None]  # b x m x used
+        return self.kv.new_zeros(later.shape).masked_fill_(later, -math.inf)[:, None]
 
 
 class DraftDecoder(nn.Module, Proposer):
@@ -184,13 +231,18 @@ class DraftDecoder(nn.Module, Proposer):
         """The accepted positions before the last (its features come with propose()) wait,
         with their next tokens, to be fed on the next propose(): features b x n x C and
         block b x n along path b x D+1, the first kept - 1 of them."""
-        if self.state is None:
+        if self.state is None or not self.state.proposed:
+            # No proposal led to this block: a new batch's first (on BOS alone), the state
+            # a finished batch's. Dropped here, so that reorder cannot adopt it.
+            self.state = None
             return
-        m = int(kept.max()) - 1
-        nodes = path[:, :m]  # b x m
+        self.state.proposed = False
+        # One device round trip a block: the waiting count and the longest prefix after them.
+        most, longest = torch.stack([kept.max(), (self.state.length + kept).max()]).tolist()
+        nodes = path[:, : most - 1]  # b x m
         waiting = features.gather(1, nodes[..., None].expand(-1, -1, features.size(-1)))  # b x m x C
-        following = block.gather(1, path[:, 1 : m + 1])  # b x m
-        self.state.pending = (waiting, following, kept - 1)
+        following = block.gather(1, path[:, 1:most])  # b x m
+        self.state.pending = Waiting(waiting, following, kept - 1, longest)
 
     def reorder(self, rows):
         if self.state is not None:
@@ -198,10 +250,24 @@ class DraftDecoder(nn.Module, Proposer):
 
     def start(self, features, encoder_out):
         """A fresh state for the batch whose encoder output is `encoder_out`."""
-        source = self.source(encoder_out)
+        keys, values, allowed = self.source(encoder_out)
+        source_mask = keys.new_zeros(allowed.shape).masked_fill_(~allowed, -math.inf)[:, None]  # b x 1 x 1 x S
         b, h = features.size(0), self.self_attn.num_heads
-        empty = features.new_zeros(b, h, 64, features.size(-1) // h)
-        self.state = DraftState(empty, empty.clone(), *source, encoder_out["encoder_out"][0])
+        kv = features.new_zeros(b, 2, h, 64, features.size(-1) // h)
+        self.state = DraftState(kv, keys, values, source_mask, encoder_out["encoder_out"][0], self.weights())
+
+    def weights(self):
+        """DraftWeights, arranged again when any weight they come from changes (weights_key)."""
+        from .decoder import weights_key  # the decoder imports the heads: no cycle at import
+
+        key = weights_key(*self.parameters(), self.decoder.embed_tokens.weight)
+        if key is None or getattr(self, "_weights_key", None) != key:
+            self._weights, self._weights_key = DraftWeights(self), key
+        return self._weights
+
+    def train(self, mode=True):
+        self._weights = self._weights_key = None  # arranged for decoding only: none kept in training
+        return super().train(mode)
 
     def sync(self, features, encoder_out):
         """The state for this call: a new batch (another encoder output) starts afresh."""
@@ -212,20 +278,31 @@ class DraftDecoder(nn.Module, Proposer):
         self.state.encoder = encoder
         return self.state
 
-    def feed(self, state, features, tokens, columns):
-        """Draft entries written at `columns` (b x m) of each row, each seeing the columns up
-        to its own: features b x m x C, tokens b x m -> drafted features b x m x C."""
-        z = self.entry(features, tokens)
-        normed = self.self_attn_norm(z)
-        k, v = keys_values(self.self_attn, normed)  # b x H x m x d
-        used = int(columns.max()) + 1  # the columns any entry here may see
-        state.reserve(used)
-        index = columns[:, None, :, None].expand(-1, k.size(1), -1, k.size(3))
-        state.keys.scatter_(2, index, k)
-        state.values.scatter_(2, index, v)
-        allowed = torch.arange(used, device=z.device) <= columns[..., None]  # b x m x L
-        return self.layer(z, normed, features, state.keys[:, :, :used], state.values[:, :, :used], allowed,
-                          (state.source_keys, state.source_values, state.source_allowed))
+    def feed(self, state, features, tokens, columns, mask):
+        """The lean decoding step: draft entries written at `columns` (b x m) of each row,
+        mask b x 1 x m x L (DraftState.mask): features b x m x C, tokens b x m -> drafted
+        features b x m x C. The layer's function (entry, layer), on DraftWeights."""
+        w, (b, m, channels) = state.weights, features.shape
+        f = features.reshape(b * m, channels)
+        z = torch.addmm(w.table.index_select(0, tokens.reshape(-1)), f, w.features_in)  # b*m x C
+        qkv = product(norm(w.norms[0], z), w.qkv)  # b*m x 3C
+        state.kv[state.rows[:, None], :, :, columns] = qkv[:, channels:].view(b, m, 2, w.heads, -1)
+        used = mask.size(-1)
+        y = self.lean_attention(qkv[:, :channels], state.kv[:, 0, :, :used], state.kv[:, 1, :, :used], mask, b, w)
+        z = z + product(y, w.self_out)
+        q = product(norm(w.norms[1], z), w.source_query)
+        z = z + product(self.lean_attention(q, state.source_keys, state.source_values, state.source_mask, b, w),
+                        w.source_out)
+        z = z + product(w.activation_fn(product(norm(w.norms[2], z), w.ffn1)), w.ffn2)
+        return features + product(norm(w.norms[3], z), w.fc_out).view(b, m, channels)
+
+    @staticmethod
+    def lean_attention(q, keys, values, mask, b, w):
+        """Queries b*m x C over keys, values b x H x L x d under the additive mask
+        (b x 1 x m x L or b x 1 x 1 x L) -> b*m x C."""
+        q = q.view(b, -1, w.heads, keys.size(-1)).transpose(1, 2)  # b x H x m x d
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return y.transpose(1, 2).reshape(-1, q.size(1) * q.size(3))
 
     def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
         """Heads 2..width after the last accepted position, one draft step after another:
@@ -233,18 +310,26 @@ class DraftDecoder(nn.Module, Proposer):
 
         The first step also feeds the accepted positions waiting since keep(), in one pass
         with the last one (features b x C, after which head 1 chose `token` b); each later
-        step reads the step before and its best token, in columns past the accepted prefix.
+        step reads the step before and its best token, in columns past the accepted prefix,
+        under one mask made for all of them.
         """
         state = self.sync(features, encoder_out)
+        drafted = self.feed_accepted(state, features, token)  # b x C
+        state.proposed = True
         if width <= 1:
-            self.feed_accepted(state, features, token)
             empty = features.new_empty(features.size(0), 0, topn)
             return empty.long(), empty
-        drafted = self.feed_accepted(state, features, token)  # b x C
+        steps = torch.arange(width - 2, device=features.device)
+        columns = state.length[:, None] + steps  # b x width-2: where each later step writes
+        used = state.longest + width - 2
+        state.reserve(used)
+        masks = state.mask(columns, used)  # b x 1 x width-2 x used
         tokens, lprobs = [], []
         for step in range(width - 1):
             if step > 0:
-                drafted = self.feed(state, drafted[:, None], token[:, None], state.length[:, None] + step - 1)[:, 0]
+                i = step - 1
+                drafted = self.feed(state, drafted[:, None], token[:, None], columns[:, i : i + 1],
+                                    masks[:, :, i : i + 1])[:, 0]
             best, best_lprobs = best_tokens(self.decoder, drafted, vocab, topn)  # b x topn
             tokens.append(best)
             lprobs.append(best_lprobs)
@@ -254,18 +339,23 @@ class DraftDecoder(nn.Module, Proposer):
     def feed_accepted(self, state, features, token):
         """Feed the waiting accepted positions and the last one (features b x C, token b):
         the draft's first step, b x C. The accepted prefix grows by them."""
-        b = features.size(0)
-        waiting, following, count = state.pending or (features.new_zeros(b, 0, features.size(-1)),
-                                                      token.new_zeros(b, 0), token.new_zeros(b))
-        state.pending = None
-        rows = torch.arange(b, device=features.device)
-        inputs = torch.cat([waiting, features[:, None]], dim=1)  # b x m+1 x C: the last one after each row's own
-        tokens = torch.cat([following, token[:, None]], dim=1)  # b x m+1
-        inputs[rows, count] = features
-        tokens[rows, count] = token
-        columns = state.length[:, None] + torch.arange(inputs.size(1), device=features.device)  # b x m+1
-        drafted = self.feed(state, inputs, tokens, columns)[rows, count]  # b x C
-        state.length = state.length + count + 1
+        pending, state.pending = state.pending, None
+        if pending is None or pending.features.size(1) == 0:  # the last position alone
+            count, longest = (0, state.longest + 1) if pending is None else (pending.count, pending.longest)
+            inputs, tokens = features[:, None], token[:, None]  # b x 1
+        else:
+            count, longest, rows = pending.count, pending.longest, state.rows
+            inputs = torch.cat([pending.features, features[:, None]], dim=1)  # b x m+1 x C: the last after each row's own
+            tokens = torch.cat([pending.tokens, token[:, None]], dim=1)  # b x m+1
+            inputs[rows, count] = features
+            tokens[rows, count] = token
+        # A row with fewer waiting than m writes its spare entries past its prefix, up to
+        # the longest prefix before + m (overwritten later); real entries see < longest.
+        state.reserve(state.longest + inputs.size(1))
+        columns = state.length[:, None] + state.positions[: inputs.size(1)]  # b x m+1
+        drafted = self.feed(state, inputs, tokens, columns, state.mask(columns, longest))
+        drafted = drafted[:, 0] if inputs.size(1) == 1 else drafted[state.rows, count]  # b x C
+        state.length, state.longest = state.length + count + 1, longest
         return drafted
 
     def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):

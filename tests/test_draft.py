@@ -6,10 +6,10 @@ from conftest import build, random_sample
 from test_criterion import SMOOTHING, criterion, translation_batch
 from test_generator import assert_same, blockwise, ending_at_block_offsets, greedy
 
-from fairseq_bpd.draft import DraftDecoder
+from fairseq_bpd.draft import DraftDecoder, Waiting
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.generator import BlockwiseGenerator
-from fairseq_bpd.heads import Proposer, following_tokens
+from fairseq_bpd.heads import Proposer, decoding_logits, following_tokens
 from fairseq_bpd.options import BlockwiseOptions
 
 DRAFT = ("--head-type", "draft")
@@ -23,10 +23,13 @@ def draft(data_dir, block_size, *extra, seed=1, dtype=torch.float64):
     return task, model, args
 
 
-def teacher_forced(model, sample, inputs):
+def teacher_forced(model, sample, inputs, sentences=None):
     """The base's features B x T x C on decoder inputs B x T, the encoder output, and the
-    draft's teacher-forced block features B x T x k x C."""
+    draft's teacher-forced block features B x T x k x C; row r reads the source of the
+    sample's sentence sentences[r] (default: of its row r)."""
     encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    if sentences is not None:
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, sentences)
     x, _ = model.decoder.extract_features(inputs, encoder_out=encoder_out)
     return x, encoder_out, model.decoder.heads.block_features(x, inputs=inputs, encoder_out=encoder_out)
 
@@ -74,7 +77,7 @@ def test_decoding_steps_are_the_teacher_forced_steps(data_dir, seed):
             m = int(count.max())
             index = (done[:, None] + torch.arange(m)).clamp(max=inputs.size(1) - 1)  # b x m
             take = lambda t: t.gather(1, index if t.dim() == 2 else index[..., None].expand(-1, -1, t.size(-1)))
-            state.pending = (take(x), take(following), count - 1)
+            state.pending = Waiting(take(x), take(following), count - 1, int((state.length + count).max()))
             last = (done + count - 1)[:, None]
             features = x.gather(1, last[..., None].expand(-1, -1, x.size(-1)))[:, 0]
             drafted = heads.feed_accepted(state, features, following.gather(1, last)[:, 0])
@@ -86,7 +89,8 @@ def test_decoding_steps_are_the_teacher_forced_steps(data_dir, seed):
             step = drafted
             for i in range(1, k - 1):
                 ahead = following.gather(1, (last + i).clamp(max=inputs.size(1) - 1))
-                step = heads.feed(state, step[:, None], ahead, state.length[:, None] + i - 1)[:, 0]
+                columns = state.length[:, None] + i - 1  # b x 1
+                step = heads.feed(state, step[:, None], ahead, columns, state.mask(columns, state.longest + i))[:, 0]
                 for row in range(3):
                     j = int(last[row])
                     if j + i < int(lengths[row]):
@@ -115,12 +119,13 @@ def test_random_drafts_give_greedy_output(data_dir, seed, bsz):
 class WatchedDraft(Proposer):
     """The model's draft, its proposals replaced by greedy's continuation where `agree` says
     (else by wrong tokens), so that blocks are accepted at every length; records each
-    block's first drafted features beside its sentence and position (the draft's state is
-    kept through keep and reorder as sentences leave)."""
+    block's first drafted features beside its sentence and position, and the draft's own
+    proposals and log-probs before they are replaced (the draft's state is kept through
+    keep and reorder as sentences leave)."""
 
     def __init__(self, heads, references, agree, eos):
         self.heads, self.references, self.agree, self.eos = heads, references, agree, eos
-        self.sentence, self.first = None, []
+        self.sentence, self.first, self.drafts = None, [], []
         feed_accepted = heads.feed_accepted
 
         def recorded(state, features, token):
@@ -134,6 +139,8 @@ class WatchedDraft(Proposer):
             self.sentence = torch.arange(features.size(0))
         proposals, lprobs = self.heads.propose(features, token, width, vocab, topn, encoder_out)
         length = self.heads.state.length  # the prefix each row has accepted, BOS included
+        self.drafts.append((self.sentence.clone(), length.clone(), proposals[..., 0].clone(), lprobs[..., 0].clone(),
+                            vocab))
         for row, (s, n) in enumerate(zip(self.sentence.tolist(), length.tolist())):
             ref = self.references[s].tolist() + [self.eos] * width
             right = ref[n : n + width - 1]
@@ -175,6 +182,29 @@ def assert_first_steps_teacher_forced(model, task, sample, references, proposer)
     assert checked >= 2 * len(references)
 
 
+def assert_proposals_teacher_forced(model, task, sample, references, proposer):
+    """Every block's proposals, as the draft made them in decoding (its cache fed the accepted
+    prefix block by block, its proposal columns overwritten after each rejection), are the
+    teacher-forced draft's on the accepted prefix followed by those same proposals: the
+    best tokens of block_features' heads 2..w, at the same log-probs."""
+    d, rows = task.target_dictionary, []
+    for sentence, length, tokens, lprobs, vocab in proposer.drafts:
+        for s, n, proposed, scores in zip(sentence.tolist(), length.tolist(), tokens, lprobs):
+            if n <= len(references[s]) and proposed.numel():  # the last accepted token is real
+                rows.append((s, n, torch.cat([references[s][:n], proposed]), scores, vocab))
+    inputs = torch.full((len(rows), max(len(r[2]) for r in rows) + 1), d.pad())
+    for r, (_, _, tokens, _, _) in enumerate(rows):
+        inputs[r, 0] = d.eos()
+        inputs[r, 1 : len(tokens) + 1] = tokens
+    _, _, block = teacher_forced(model, sample, inputs, torch.tensor([r[0] for r in rows]))
+    for r, (s, n, tokens, scores, vocab) in enumerate(rows):
+        heads = block[r, n - 1, 1 : 1 + len(scores)]  # w-1 x C: the draft's steps after entry n-1
+        lprobs = decoding_logits(model.decoder, heads, vocab).log_softmax(dim=-1)
+        assert torch.equal(lprobs.argmax(-1), tokens[n:]), (s, n)
+        assert torch.allclose(lprobs.gather(1, tokens[n:, None])[:, 0], scores, atol=1e-8), (s, n)
+    assert len({s for s, _, _, _, _ in rows}) == len(references)
+
+
 def watched(model, task, expected, agree):
     proposer = WatchedDraft(model.decoder.heads, [e["tokens"] for e in expected], agree,
                             task.target_dictionary.eos())
@@ -185,7 +215,8 @@ def watched(model, task, expected, agree):
 
 @pytest.mark.parametrize("agree", [True, False, lambda s, n: (s + n) % 3 != 0])
 def test_the_drafts_cache_follows_the_accepted_prefix_as_sentences_leave(data_dir, agree):
-    """Exact at every acceptance length, the draft's state kept through keep and reorder."""
+    """Exact at every acceptance length, the draft's state kept through keep and reorder: its
+    first steps and its proposals are the teacher-forced draft's."""
     model, task, sample, expected = eos_draft(data_dir)
     proposer, generator = watched(model, task, expected, agree)
     assert_same(expected, generator.generate([model], sample))
@@ -197,6 +228,7 @@ def test_the_drafts_cache_follows_the_accepted_prefix_as_sentences_leave(data_di
     else:
         assert len(accepted) > 2
     assert_first_steps_teacher_forced(model, task, sample, [e["tokens"] for e in expected], proposer)
+    assert_proposals_teacher_forced(model, task, sample, [e["tokens"] for e in expected], proposer)
     assert len({len(rows) for rows, _, _ in proposer.first}) > 2  # sentences left at several blocks
 
 
