@@ -7,7 +7,9 @@
 - fairseq's checkpoint loader: a file that is no loadable checkpoint raises
   CheckpointError naming it and why, not a pickle traceback; a checkpoint's model may
   upgrade the options it was saved with (upgrade_saved_options) before load-time
-  overrides are applied.
+  overrides are applied; the decoding flags saved in its task options are the training
+  run's, not a request: a task built from them (the hub) decodes as the load's overrides
+  ask, each flag not given at its default.
 - fairseq's checkpoint copies are atomic, so a killed job leaves a whole
   checkpoint_last.pt to resume from.
 - fairseq's commands (fairseq-generate, fairseq-train, python -m fairseq_cli.generate,
@@ -167,6 +169,7 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
             raise
         raise CheckpointError(message) from None
     upgrade_saved_options(state)
+    forget_saved_decoding_flags(state, arg_overrides or {})
     if late:
         if state.get("args") is not None:
             for name, value in late.items():
@@ -186,6 +189,23 @@ def upgrade_saved_options(state):
     if upgrade is not None:
         with open_dict(cfg):
             upgrade(options)
+
+
+def forget_saved_decoding_flags(state, overrides):
+    """The checkpoint's task options with every decoding flag (the task's decoding_options)
+    at its default or as `overrides` give it: a training run's --block-size (its k) fixes no
+    decoding width, and a flag newer than the checkpoint, which fairseq's override merge
+    drops for want of a saved key, is still applied."""
+    from .options import flag  # imported when loading: the task's modules import this one's users
+    from .task import TranslationBlockwiseTask
+
+    cfg = state.get("cfg")
+    task = cfg.get("task") if cfg is not None else None
+    if not isinstance(task, DictConfig) or "blockwise" not in task:  # not a blockwise task's options
+        return
+    with open_dict(task):
+        for name in TranslationBlockwiseTask.decoding_options:
+            task[name] = overrides.get(name, flag(name))
 
 
 # fairseq's trainer, load_model_ensemble(_and_task) and hub_utils all reach the loader as

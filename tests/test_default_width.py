@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -193,6 +194,28 @@ def test_the_default_gives_greedy_output(data_dir, cache, tmp_path, bsz, table):
     chosen = generator.stats.widths
     if table == "hand-made":
         assert set(chosen) == {4} if bsz == 1 else 1 in chosen and set(chosen) <= {1, 3, 4}
+
+
+def test_the_hub_decodes_at_the_width_asked_not_the_one_trained_with(data_dir, cache, tmp_path):
+    """fairseq's hub builds the task from the checkpoint's saved options: their --block-size
+    is the training run's k, no decoding request; what from_pretrained is given is one."""
+    from fairseq.models.transformer import TransformerModel
+    from test_model import save
+
+    path, _ = save(data_dir, "--block-size", "3")
+    assert torch.load(path, weights_only=False)["cfg"]["task"]["block_size"] == 3
+
+    def policy(**overrides):
+        hub = TransformerModel.from_pretrained(data_dir, checkpoint_file=os.path.basename(path),
+                                               data_name_or_path=data_dir, user_dir=PLUGIN,
+                                               task="translation_blockwise", blockwise=True, **overrides)
+        return hub.task.build_generator(hub.models, Namespace()).policy
+
+    assert is_width_one(policy())  # no table measured here: the default's width 1, not 3
+    save_table(hand_made(3), str(tmp_path / "k3.json"))
+    named = policy(blockwise_widths=str(tmp_path / "k3.json"))  # a flag the checkpoint never saved
+    assert isinstance(named, TableWidth) and named.table == hand_made(3)
+    assert isinstance(policy(block_size=2), FixedWidth) and policy(block_size=2).width(1) == 2
 
 
 def python(script, *args, env):
