@@ -6,7 +6,8 @@ from conftest import build, random_sample
 from test_criterion import SMOOTHING, criterion, translation_batch
 from test_generator import assert_same, blockwise, ending_at_block_offsets, greedy
 
-from fairseq_bpd.draft import DraftDecoder, Waiting
+from fairseq_bpd.draft import DraftDecoder
+from fairseq_bpd.draft_step import Waiting, decode_step
 from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.generator import BlockwiseGenerator
 from fairseq_bpd.heads import Proposer, decoding_logits, following_tokens
@@ -90,7 +91,7 @@ def test_decoding_steps_are_the_teacher_forced_steps(data_dir, seed):
             for i in range(1, k - 1):
                 ahead = following.gather(1, (last + i).clamp(max=inputs.size(1) - 1))
                 columns = state.length[:, None] + i - 1  # b x 1
-                step = heads.feed(state, step[:, None], ahead, columns, state.mask(columns, state.longest + i))[:, 0]
+                step = decode_step(state, step[:, None], ahead, columns, state.mask(columns, state.longest + i))[:, 0]
                 for row in range(3):
                     j = int(last[row])
                     if j + i < int(lengths[row]):

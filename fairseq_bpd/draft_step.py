@@ -1,0 +1,120 @@
+"""The draft decoder's decoding step (draft.py): its cache, its weights arranged once, one step.
+
+Decoding runs the draft's layer k-1 times an invocation on a few rows, so its cost is the
+products' weights and per-operation overhead, not arithmetic: the step computes the same
+function as the layer that training runs (DraftDecoder.entry, .layer), on weights arranged
+once per change (one product for q, k and v; W_in's token half a table of every token's
+term), writes its keys and values in place, and asks the device nothing (the host knows
+every length it needs). It rounds differently from training's pass, which is why the
+tests compare them in float64.
+"""
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .static_pass import norm, product, transposed
+
+
+class Waiting(NamedTuple):
+    """Accepted positions not yet fed to the draft: features b x M x C, their next tokens
+    b x M, how many of the M are real in each row (b), and the longest accepted prefix once
+    they and the last position are fed (a host int, so that no draft step asks the device)."""
+
+    features: torch.Tensor
+    tokens: torch.Tensor
+    count: torch.Tensor
+    longest: int
+
+
+class DraftWeights:
+    """The draft's decoding weights, arranged once per change: products as x · Wᵀ on
+    contiguous copies (static_pass.transposed), the self-attention's q, k and v in one, and
+    W_in's token half folded into a table: entry z = f · W_fᵀ + table[x], with
+    table = (s E) W_tᵀ + b_in for every token (one row lookup instead of a product and a cat)."""
+
+    def __init__(self, draft):
+        decoder, width = draft.decoder, draft.fc_in.weight.size(0)
+        w_in = draft.fc_in.weight.detach()  # C x (C + E): the features' columns, then the token's
+        embedded = decoder.embed_scale * decoder.embed_tokens.weight.detach()  # V x E
+        self.table = torch.addmm(draft.fc_in.bias.detach(), embedded, w_in[:, width:].t())  # V x C
+        self.features_in = w_in[:, :width].t().contiguous()  # C x C
+        attention, source = draft.self_attn, draft.encoder_attn
+        self.qkv = transposed(attention.q_proj, attention.k_proj, attention.v_proj)  # C x 3C
+        self.self_out, self.source_query = transposed(attention.out_proj), transposed(source.q_proj)
+        self.source_out, self.fc_out = transposed(source.out_proj), transposed(draft.fc_out)
+        self.ffn1, self.ffn2 = transposed(draft.ffn1), transposed(draft.ffn2)
+        self.heads, self.activation_fn = attention.num_heads, draft.activation_fn
+        self.norms = (draft.self_attn_norm, draft.encoder_attn_norm, draft.ffn_norm, draft.final_norm)
+
+
+class DraftState:
+    """What the draft keeps across a batch's blocks, one row per sentence.
+
+    kv: b x 2 x H x L x d, its self-attention keys and values (zeros where never written;
+    columns past `length` are a proposal's and are overwritten); length: b, entries of the
+    accepted prefix, at most `longest` (host int); source: the encoder output's keys and
+    values b x H x S x d and its additive mask b x 1 x 1 x S; pending: Waiting, or None;
+    proposed: whether the block being verified is this state's proposal; encoder: the
+    encoder tensor these belong to; weights: DraftWeights.
+    """
+
+    def __init__(self, kv, source_keys, source_values, source_mask, encoder, weights):
+        self.kv, self.weights, self.encoder = kv, weights, encoder
+        self.length = torch.zeros(kv.size(0), dtype=torch.long, device=kv.device)
+        self.longest, self.pending, self.proposed = 0, None, False
+        self.source_keys, self.source_values, self.source_mask = source_keys, source_values, source_mask
+        self.rows = torch.arange(kv.size(0), device=kv.device)
+        self.positions = torch.arange(kv.size(3), device=kv.device)
+
+    def select(self, rows):
+        for name in ("kv", "length", "source_keys", "source_values", "source_mask"):
+            setattr(self, name, getattr(self, name)[rows])
+        if self.pending is not None:
+            self.pending = self.pending._replace(features=self.pending.features[rows],
+                                                 tokens=self.pending.tokens[rows], count=self.pending.count[rows])
+        self.rows = self.rows[: len(rows)]
+        self.encoder = None  # the generator reorders the encoder output too: adopt the next one
+
+    def reserve(self, columns):
+        """Room for `columns` entries in every row (doubling, so that growth is rare)."""
+        if columns > self.kv.size(3):
+            grown = self.kv.new_zeros(*self.kv.shape[:3], max(columns, 2 * self.kv.size(3)), self.kv.size(4))
+            grown[:, :, :, : self.kv.size(3)] = self.kv
+            self.kv = grown
+            self.positions = torch.arange(grown.size(3), device=grown.device)
+
+    def mask(self, columns, used):
+        """The additive self-attention mask of entries at `columns` (b x m): each sees the
+        columns up to its own, b x 1 x m x used."""
+        later = self.positions[:used] > columns[..., None]  # b x m x used
+        return self.kv.new_zeros(later.shape).masked_fill_(later, -math.inf)[:, None]
+
+
+
+def decode_step(state, features, tokens, columns, mask):
+    """The draft layer's function (DraftDecoder.entry and .layer) in decoding, on
+    DraftWeights: entries written at `columns` (b x m) of each row's cache, under `mask`
+    (b x 1 x m x L, DraftState.mask): features b x m x C, tokens b x m -> drafted features
+    b x m x C."""
+    w, (b, m, channels) = state.weights, features.shape
+    f = features.reshape(b * m, channels)
+    z = torch.addmm(w.table.index_select(0, tokens.reshape(-1)), f, w.features_in)  # b*m x C
+    qkv = product(norm(w.norms[0], z), w.qkv)  # b*m x 3C
+    state.kv[state.rows[:, None], :, :, columns] = qkv[:, channels:].view(b, m, 2, w.heads, -1)
+    used = mask.size(-1)
+    y = attention(qkv[:, :channels], state.kv[:, 0, :, :used], state.kv[:, 1, :, :used], mask, b, w.heads)
+    z = z + product(y, w.self_out)
+    q = product(norm(w.norms[1], z), w.source_query)
+    z = z + product(attention(q, state.source_keys, state.source_values, state.source_mask, b, w.heads), w.source_out)
+    z = z + product(w.activation_fn(product(norm(w.norms[2], z), w.ffn1)), w.ffn2)
+    return features + product(norm(w.norms[3], z), w.fc_out).view(b, m, channels)
+
+
+def attention(q, keys, values, mask, b, heads):
+    """Queries b*m x C over keys, values b x H x L x d under the additive mask
+    (b x 1 x m x L or b x 1 x 1 x L) -> b*m x C."""
+    q = q.view(b, -1, heads, keys.size(-1)).transpose(1, 2)  # b x H x m x d
+    y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return y.transpose(1, 2).reshape(-1, q.size(1) * q.size(3))
