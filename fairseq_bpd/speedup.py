@@ -141,6 +141,8 @@ class Run:
 
     def __init__(self, out, inputs):
         self.out, self.path = out, os.path.join(out, "speedup.json")
+        if os.path.exists(out) and not os.path.isdir(out):
+            refuse(f"OUT {out} is a file, not a directory: give a new or empty directory")
         if os.path.exists(self.path):
             with open(self.path) as f:
                 self.record = json.load(f)
@@ -151,7 +153,10 @@ class Run:
         elif os.path.isdir(out) and os.listdir(out):
             refuse(f"OUT {out} holds other files and no speedup.json: give a new or empty directory")
         else:
-            os.makedirs(out, exist_ok=True)
+            try:
+                os.makedirs(out, exist_ok=True)
+            except OSError as error:  # a file on its path, no permission
+                refuse(f"OUT {out}: cannot make the directory ({error.strerror})")
             self.record = {"inputs": inputs, "steps": {}}
             self.save()
 

@@ -35,6 +35,7 @@ def main():
         if min(values) < 1:
             ap.error(f"{flag} must be at least 1 (got {min(values)})")
     model, task, device, _ = bench.setup(args)
+    check_subset(task, args.subset, args.data)
     if args.if_missing and os.path.exists(table_path(model, device)):
         print(f"this model's width table on this machine: {table_path(model, device)}")
         return
@@ -45,6 +46,15 @@ def main():
         print(f"wrote {path}")
     chosen = {b: table.width(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)}
     print("width chosen by batch size: " + " ".join(f"{b}:{w}" for b, w in chosen.items()))
+
+
+def check_subset(task, subset, data):
+    """Load `subset` of the task's data, or refuse on one line naming it and the splits `data` holds."""
+    try:
+        task.load_dataset(subset)
+    except FileNotFoundError:
+        held = sorted({name.split(".")[0] for name in os.listdir(data) if name.endswith(".idx")})
+        raise SystemExit(f"error: --subset {subset}: {data} holds no such split (it holds: {', '.join(held)})") from None
 
 
 if __name__ == "__main__":

@@ -218,11 +218,22 @@ def test_the_hub_decodes_at_the_width_asked_not_the_one_trained_with(data_dir, c
     assert isinstance(policy(block_size=2), FixedWidth) and policy(block_size=2).width(1) == 2
 
 
-def python(script, *args, env):
+def python(script, *args, env, fails=False):
     process = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *map(str, args)],
                              capture_output=True, text=True, env=env, timeout=300)
-    assert process.returncode == 0, process.stdout + process.stderr[-3000:]
+    assert (process.returncode != 0) == fails, process.stdout + process.stderr[-3000:]
     return process.stdout + process.stderr
+
+
+def test_calibrating_on_a_split_the_data_lacks_is_refused_by_name(tmp_path_factory, tmp_path):
+    tiny = trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))
+    env = {**ENV, "FAIRSEQ_BPD_WIDTHS": str(tmp_path / "cache")}
+    out = python("calibrate_widths.py", "--data", tiny.data, "--path", tiny.checkpoint, "--subset", "nosuch",
+                 "--cpu", env=env, fails=True)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"error: --subset nosuch: {tiny.data} holds no such split (it holds: test, ") \
+        and last.endswith(", train, valid)"), out[-2000:]
+    assert not os.path.exists(tmp_path / "cache")
 
 
 def generate(tiny, *args, env, fails=False):

@@ -178,6 +178,12 @@ def test_an_output_directory_with_another_runs_files_is_refused_and_left_alone(m
     message = refused(made["base"], made["data"], made["raw"] / "train.de", other)
     assert message == f"error: OUT {other} holds other files and no speedup.json: give a new or empty directory"
     assert os.listdir(other) == ["checkpoint.pt"]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("someone's\n")
+    for out, message in ((notes, f"OUT {notes} is a file, not a directory: give a new or empty directory"),
+                         (notes / "out", f"OUT {notes / 'out'}: cannot make the directory (Not a directory)")):
+        assert refused(made["base"], made["data"], made["raw"] / "train.de", out) == f"error: {message}"
+    assert notes.read_text() == "someone's\n"
     message = refused(made["base"], made["data"], made["raw"] / "valid.de", made["out"], "--updates", UPDATES,
                       "--proposal-heads", 3, "--num-workers", 0)
     assert message.startswith(f"error: OUT {made['out']} holds another run's files (its speedup.json has other "
