@@ -225,8 +225,7 @@ class DraftDecoder(nn.Module, Proposer):
         tokens, lprobs = [], []
         for i in range(width - 1):
             if i > 0:  # head i+2's step reads head i+1's: one entry, in column length + i - 1
-                drafted = decode_step(state, drafted[:, None], token[:, None], columns[:, i - 1 : i],
-                                      masks[:, :, i - 1 : i])[:, 0]
+                drafted = decode_step(state, drafted, token, columns[:, i - 1 : i], masks[:, :, i - 1 : i])
             best, best_lprobs = best_tokens(self.decoder, drafted, vocab, topn)  # b x topn
             tokens.append(best)
             lprobs.append(best_lprobs)
@@ -250,8 +249,10 @@ class DraftDecoder(nn.Module, Proposer):
         # the longest prefix before + m (overwritten later); real entries see < longest.
         state.reserve(state.longest + inputs.size(1))
         columns = state.length[:, None] + state.positions[: inputs.size(1)]  # b x m+1
-        drafted = decode_step(state, inputs, tokens, columns, state.mask(columns, longest))
-        drafted = drafted[:, 0] if inputs.size(1) == 1 else drafted[state.rows, count]  # b x C
+        drafted = decode_step(state, inputs.reshape(-1, inputs.size(-1)), tokens.reshape(-1), columns,
+                              state.mask(columns, longest))  # b*(m+1) x C
+        if inputs.size(1) > 1:
+            drafted = drafted.view(inputs.shape)[state.rows, count]  # b x C
         state.length, state.longest = state.length + count + 1, longest
         return drafted
 

@@ -66,7 +66,9 @@ class DraftState:
         self.longest, self.pending, self.proposed = 0, None, False
         self.source_keys, self.source_values, self.source_mask = source_keys, source_values, source_mask
         self.rows = torch.arange(kv.size(0), device=kv.device)
+        self.column_rows = self.rows[:, None]  # b x 1: each row's index beside its columns
         self.positions = torch.arange(kv.size(3), device=kv.device)
+        self.last_window = None
 
     def select(self, rows):
         for name in ("kv", "length", "source_keys", "source_values", "source_mask"):
@@ -75,6 +77,7 @@ class DraftState:
             self.pending = self.pending._replace(features=self.pending.features[rows],
                                                  tokens=self.pending.tokens[rows], count=self.pending.count[rows])
         self.rows = self.rows[: len(rows)]
+        self.column_rows, self.last_window = self.rows[:, None], None
         self.encoder = None  # the generator reorders the encoder output too: adopt the next one
 
     def reserve(self, columns):
@@ -82,8 +85,15 @@ class DraftState:
         if columns > self.kv.size(3):
             grown = self.kv.new_zeros(*self.kv.shape[:3], max(columns, 2 * self.kv.size(3)), self.kv.size(4))
             grown[:, :, :, : self.kv.size(3)] = self.kv
-            self.kv = grown
+            self.kv, self.last_window = grown, None
             self.positions = torch.arange(grown.size(3), device=grown.device)
+
+    def window(self, used):
+        """The cache's first `used` columns as keys and values, b x H x used x d: views,
+        made once while the cache stays (a proposal's steps all see the same window)."""
+        if self.last_window is None or self.last_window[0] != used:
+            self.last_window = (used, self.kv[:, 0, :, :used], self.kv[:, 1, :, :used])
+        return self.last_window[1:]
 
     def mask(self, columns, used):
         """The additive self-attention mask of entries at `columns` (b x m): each sees the
@@ -95,26 +105,28 @@ class DraftState:
 
 def decode_step(state, features, tokens, columns, mask):
     """The draft layer's function (DraftDecoder.entry and .layer) in decoding, on
-    DraftWeights: entries written at `columns` (b x m) of each row's cache, under `mask`
-    (b x 1 x m x L, DraftState.mask): features b x m x C, tokens b x m -> drafted features
-    b x m x C."""
-    w, (b, m, channels) = state.weights, features.shape
-    f = features.reshape(b * m, channels)
-    z = torch.addmm(w.table.index_select(0, tokens.reshape(-1)), f, w.features_in)  # b*m x C
+    DraftWeights: b sentences' m entries each, row by row (features b*m x C, tokens b*m),
+    written at `columns` (b x m) of their rows' cache, under `mask` (b x 1 x m x L,
+    DraftState.mask) -> drafted features b*m x C."""
+    w, (b, m), channels = state.weights, columns.shape, features.size(1)
+    z = torch.addmm(w.table.index_select(0, tokens), features, w.features_in)  # b*m x C
     qkv = product(norm(w.norms[0], z), w.qkv)  # b*m x 3C
-    state.kv[state.rows[:, None], :, :, columns] = qkv[:, channels:].view(b, m, 2, w.heads, -1)
-    used = mask.size(-1)
-    y = attention(qkv[:, :channels], state.kv[:, 0, :, :used], state.kv[:, 1, :, :used], mask, b, w.heads)
+    state.kv[state.column_rows, :, :, columns] = qkv[:, channels:].view(b, m, 2, w.heads, -1)
+    y = attention(qkv[:, :channels], *state.window(mask.size(-1)), mask, b, m, w.heads)
     z = z + product(y, w.self_out)
     q = product(norm(w.norms[1], z), w.source_query)
-    z = z + product(attention(q, state.source_keys, state.source_values, state.source_mask, b, w.heads), w.source_out)
+    z = z + product(attention(q, state.source_keys, state.source_values, state.source_mask, b, m, w.heads),
+                    w.source_out)
     z = z + product(w.activation_fn(product(norm(w.norms[2], z), w.ffn1)), w.ffn2)
-    return features + product(norm(w.norms[3], z), w.fc_out).view(b, m, channels)
+    return features + product(norm(w.norms[3], z), w.fc_out)
 
 
-def attention(q, keys, values, mask, b, heads):
+def attention(q, keys, values, mask, b, m, heads):
     """Queries b*m x C over keys, values b x H x L x d under the additive mask
     (b x 1 x m x L or b x 1 x 1 x L) -> b*m x C."""
-    q = q.view(b, -1, heads, keys.size(-1)).transpose(1, 2)  # b x H x m x d
+    if m == 1:  # b x 1 x H x d and b x H x 1 x d are the same memory: no transposes
+        y = F.scaled_dot_product_attention(q.view(b, heads, 1, -1), keys, values, attn_mask=mask)
+        return y.reshape(b, -1)
+    q = q.view(b, m, heads, -1).transpose(1, 2)  # b x H x m x d
     y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return y.transpose(1, 2).reshape(-1, q.size(1) * q.size(3))
+    return y.transpose(1, 2).reshape(b * m, -1)

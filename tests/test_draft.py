@@ -91,7 +91,7 @@ def test_decoding_steps_are_the_teacher_forced_steps(data_dir, seed):
             for i in range(1, k - 1):
                 ahead = following.gather(1, (last + i).clamp(max=inputs.size(1) - 1))
                 columns = state.length[:, None] + i - 1  # b x 1
-                step = decode_step(state, step[:, None], ahead, columns, state.mask(columns, state.longest + i))[:, 0]
+                step = decode_step(state, step, ahead[:, 0], columns, state.mask(columns, state.longest + i))
                 for row in range(3):
                     j = int(last[row])
                     if j + i < int(lengths[row]):
