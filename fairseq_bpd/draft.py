@@ -217,11 +217,10 @@ class DraftDecoder(nn.Module, Proposer):
         if width <= 1:
             empty = features.new_empty(features.size(0), 0, topn)
             return empty.long(), empty
-        steps = torch.arange(width - 2, device=features.device)
-        columns = state.length[:, None] + steps  # b x width-2: where each later step writes
-        used = state.longest + width - 2
-        state.reserve(used)
-        masks = state.mask(columns, used)  # b x 1 x width-2 x used
+        if width > 2:
+            state.reserve(state.longest + width - 2)
+            columns = state.length[:, None] + state.positions[: width - 2]  # b x width-2: each later step's
+            masks = state.mask(columns, state.longest + width - 2)  # b x 1 x width-2 x used
         tokens, lprobs = [], []
         for i in range(width - 1):
             if i > 0:  # head i+2's step reads head i+1's: one entry, in column length + i - 1
