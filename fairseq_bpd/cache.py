@@ -39,6 +39,12 @@ class IncrementalCache:
         buffer = self.layers[0].self_attn._get_input_buffer(self.state)
         return buffer["prev_key"].size(2) if "prev_key" in buffer else 0
 
+    def uniform_length(self):
+        """Every sentence's cached entries where they are all alike (no column is a hole): the
+        width, an int; else None."""
+        buffer = self.layers[0].self_attn._get_input_buffer(self.state)
+        return self.width() if buffer.get("prev_key_padding_mask") is None else None
+
     def append(self, attention, k, v, mask):
         """Append a block's keys and values (b x h x n x d) to `attention`'s self-attention cache.
 
@@ -185,6 +191,10 @@ class StaticCache:
         """Columns before the next block: the longest row's length, an int."""
         return self.longest
 
+    def uniform_length(self):
+        """Every row's length where they are all equal (batch 1 always), an int; else None."""
+        return self.longest if self.equal else None
+
     def begin(self, x, block_mask):
         """Before a block pass: x b x n x C over the decoder's rows -> x over the cache rows
         (B x n x C; finished rows' zeros), and the self-attention mask over the first
@@ -226,16 +236,23 @@ class StaticCache:
         return self.chain_masks[key]
 
     def write(self, layer, kv, heads):
-        """Layer `layer`'s block keys and values (2 x B x n x C) into place; returns the keys and
-        values to attend to, B x h x W x d each (W = max(lengths) + n)."""
-        pair = self.kv[2 * layer : 2 * layer + 2]  # 2 x B x T x C
-        rows, columns, channels = pair.shape[1:]
-        if self.equal:
-            pair[:, :, self.longest : self.longest + self.n] = kv
+        """Layer `layer`'s block keys and values (2 x B x n x C, any strides) into place; returns
+        the keys and values to attend to, B x h x W x d each (W = max(lengths) + n): strided
+        views of the buffer, made directly (slicing, viewing and transposing each is three
+        operations a layer and invocation)."""
+        buffer = self.kv
+        rows, columns, channels = buffer.shape[1:]
+        layer_stride, row_stride, column_stride = buffer.stride()[:3]
+        start = buffer.storage_offset() + 2 * layer * layer_stride  # the layer's keys
+        if self.equal:  # the block's columns of both, one copy
+            buffer.as_strided((2, rows, self.n, channels), (layer_stride, row_stride, column_stride, 1),
+                              start + self.longest * column_stride).copy_(kv)
         else:
+            pair = buffer[2 * layer : 2 * layer + 2]  # 2 x B x T x C
             pair.view(2, rows * columns, channels).index_copy_(1, self.index, kv.reshape(2, -1, channels))
-        width = self.longest + self.n
-        return [t[:, :width].view(rows, width, heads, -1).transpose(1, 2) for t in pair]
+        width, d = self.longest + self.n, channels // heads
+        shape, strides = (rows, heads, width, d), (row_stride, d, column_stride, 1)
+        return buffer.as_strided(shape, strides, start), buffer.as_strided(shape, strides, start + layer_stride)
 
     def source(self, layer):
         """The source's keys and values for layer `layer` (B x h x S x d each), or None."""

@@ -181,7 +181,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """Feed a block of new tokens after the cached prefix (one decoder invocation).
 
         fairseq's incremental path feeds one token; a block needs explicit positions
-        and a mask inside the block. tokens, positions: b x n (position 0 is BOS).
+        and a mask inside the block. tokens: b x n; positions: b x n (position 0 is BOS),
+        or an int p where every row's block is a chain at p, p+1, ... (one slice of the
+        position table, no per-row lookup).
         self_attn_mask: n x n, 0 where block token i may attend to block token j and
         -inf elsewhere, the same for every sentence (default causal: a chain; a tree
         passes its ancestor mask). Every token attends to the whole cached prefix.
@@ -198,8 +200,11 @@ class BlockwiseDecoder(TransformerDecoderBase):
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
         if self.embed_positions is not None:
-            longest = int(positions.max()) if longest is None else longest
-            x += self.position_table(longest + 1)[positions]
+            if isinstance(positions, int):  # a chain after equal prefixes: rows p..p+n-1 for all
+                x += self.position_table(positions + n)[positions:]
+            else:
+                longest = int(positions.max()) if longest is None else longest
+                x += self.position_table(longest + 1)[positions]
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         if self.dropout_module.training or self.dropout_module.apply_during_inference:
@@ -316,6 +321,11 @@ class BlockwiseDecoder(TransformerDecoderBase):
     def cache_width(self, incremental_state):
         """Columns of the self-attention cache before the next block: an int."""
         return self.cache(incremental_state).width()
+
+    def cached_length(self, incremental_state):
+        """Every sentence's cached entries where all have as many and the cache knows it on
+        the host (an int: the static cache at batch 1 always), else None."""
+        return self.cache(incremental_state).uniform_length()
 
     def crop_cache(self, incremental_state, cached, block_width, keep, kept):
         """Keep only the accepted entries of the last block (the cache's crop): cached + kept, b."""

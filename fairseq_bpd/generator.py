@@ -99,6 +99,18 @@ class Batch:
             self.attn.scatter_(2, index, block_attn.transpose(1, 2).to(self.attn))
         self.length = self.length + added
 
+    def store_one(self, outputs, output_scores, block_attn, length):
+        """store() for a block of one, every sentence at `length` outputs (an int): one output
+        each, written at one column (narrow copies, no per-row index)."""
+        self.tokens.narrow(1, length + 1, 1).copy_(outputs)
+        self.scores.narrow(1, length, 1).copy_(output_scores)
+        self.score = output_scores[:, 0].to(self.scores)
+        if block_attn is not None:
+            if self.attn is None:
+                self.attn = self.scores.new_zeros(*block_attn.shape[::2], self.scores.size(1))
+            self.attn.narrow(2, length + 1, 1).copy_(block_attn.transpose(1, 2))
+        self.length = self.length + 1
+
 
 class BlockwiseGenerator(nn.Module):
     """Greedy decoding, k tokens at a time: fairseq's SequenceGenerator(beam_size=1) output."""
@@ -194,11 +206,19 @@ class BlockwiseGenerator(nn.Module):
                     nodes = self.proposer.nodes(proposals, tree, last, token[:, 0], self.proposal_vocab, encoder_out)
                 block = torch.cat([token, nodes], dim=1)  # b x n
             n = block.size(1)
-            steps = batch.length[:, None] + tree.depth  # b x n: the step each output predicts
             # Bounds known on the host: every length is at most the cache's width (cached ==
             # length) and at least the invocations so far (each adds one output or more).
             bounds = (invocations, decoder.cache_width(incremental_state) + tree.max_depth)
-            positions = steps if bounds[1] < max_len else steps.clamp(max=max_len)
+            # Every sentence's length, where the cache knows them equal (an int; batch 1 always).
+            length = decoder.cached_length(incremental_state)
+            steps = None  # b x n: the step each output predicts, made where something reads it
+            if length is not None and tree.is_chain and bounds[1] < max_len:
+                positions = length  # the chain's first position, the same for every row
+                if self.step_constraints(bounds, max_len):
+                    steps = batch.length[:, None] + tree.depth
+            else:
+                steps = batch.length[:, None] + tree.depth
+                positions = steps if bounds[1] < max_len else steps.clamp(max=max_len)
             features, block_attn = decoder.forward_block(block, positions, encoder_out, incremental_state, tree.mask,
                                                          min(bounds[1], max_len))  # the longest position
             invocations += 1
@@ -210,20 +230,27 @@ class BlockwiseGenerator(nn.Module):
             node, kept, outputs, output_scores, added, finished = self.verify_block(
                 lprobs, block, batch.score, limit, tree
             )
-            path = tree.paths[node]  # b x D+1: the accepted path's nodes, then padding
+            # b x D+1: the accepted path's nodes, then padding (a block of one: its root for all)
+            path = tree.paths.expand(node.size(0), -1) if n == 1 else tree.paths[node]
             self.policy.observe(n, kept, added, limit)
-            if n == 1 and self.block_size == 1:  # every sentence added one: no need to ask
-                self.stats.accepted[1] += added.size(0)
-            elif invocations > 1:  # the first, on BOS alone, verifies nothing
+            if n == 1:  # every sentence added one: no need to ask
+                if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
+                    self.stats.accepted[1] += added.size(0)
+            elif invocations > 1:
                 self.stats.accepted.update(added.tolist())
             if block_attn is not None and not tree.is_chain:  # a chain's path is the block itself
                 block_attn = along(path, block_attn)[0]
-            batch.store(outputs, output_scores, added, block_attn, self.pad)
+            if n == 1 and length is not None:  # one output each, all at the same column
+                batch.store_one(outputs, output_scores, block_attn, length)
+            else:
+                batch.store(outputs, output_scores, added, block_attn, self.pad)
 
             # 5. Crop all but the accepted path out of the cache (and out of the proposer's state).
             batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
             self.proposer.keep(path, kept, features, block)
             last = features[:, 0] if n == 1 else along(node[:, None], features)[0][:, 0]  # b x C
+            # b x 1: head 1's choice after `last` (a block of one's only output; else read below)
+            token = outputs if n == 1 else None
 
             # 6. Finished sentences leave the batch.
             if finished.any():
@@ -233,12 +260,14 @@ class BlockwiseGenerator(nn.Module):
                     return finalized
                 batch.select(active)
                 last = last[active]
+                token = token[active] if token is not None else None
                 decoder.reorder_incremental_state_scripting(incremental_state, active)
                 encoder_out = model.encoder.reorder_encoder_out(encoder_out, active)
                 self.proposer.reorder(active)
 
             # 7. The proposer at the last accepted position proposes the next block.
-            token = batch.tokens.gather(1, batch.length[:, None])  # b x 1: head 1's choice after `last`
+            if token is None:
+                token = batch.tokens.gather(1, batch.length[:, None])
             proposals = self.next_proposals(last, token[:, 0], encoder_out, batch)
 
     def verify_block(self, lprobs, block, score, limit, tree):
@@ -292,12 +321,19 @@ class BlockwiseGenerator(nn.Module):
                                 invocations, src_lengths[sentence])
             ]
 
+    def step_constraints(self, bounds, max_len):
+        """Whether head1_lprobs reads the steps of a block whose steps lie within `bounds`
+        (host ints: at most the least step, at least the greatest)."""
+        return (bounds[1] >= max_len or bounds[0] < self.min_len or self.repeat_ngram_blocker is not None
+                or self.match_source_len)
+
     def head1_lprobs(self, features, steps, tokens, block, max_len, tree, src_lengths, bounds=(0, math.inf)):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V.
 
-        steps: b x n, the step each output predicts; src_lengths: b (under match_source_len);
-        bounds: host ints at most the least step and at least the greatest, which skip the
-        length constraints where they cannot bite without asking the device.
+        steps: b x n, the step each output predicts (None where step_constraints says none
+        is read); src_lengths: b (under match_source_len); bounds: host ints at most the
+        least step and at least the greatest, which skip the length constraints where they
+        cannot bite without asking the device.
         """
         decoder = self.model.decoder
         logits = decoder.project(decoder.heads.head1_features(features))
@@ -308,7 +344,7 @@ class BlockwiseGenerator(nn.Module):
         # there are none, far cheaper than the fix, which then runs only where one may be.
         if not bool(torch.isfinite(lprobs.sum())):
             torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        lprobs[..., self.pad] = -math.inf
+        lprobs.select(-1, self.pad).fill_(-math.inf)
         if self.unk_penalty:
             lprobs[..., self.unk] -= self.unk_penalty
         if bounds[1] >= max_len:  # skipped when it cannot bite: this runs once per invocation

@@ -36,9 +36,22 @@ def transposed(*linears, scale=None):
     return torch.cat(weights).t().contiguous(), torch.cat(biases).contiguous()
 
 
+def norm_params(module):
+    """What torch.layer_norm reads of a LayerNorm, as plain values: reading a module's
+    parameters goes through nn.Module.__getattr__, a Python search paid on every read."""
+    return module.normalized_shape, module.weight, module.bias, module.eps
+
+
+def activation(function):
+    """torch's own relu where fairseq's activation is F.relu (its Python wrapper checks
+    for overrides on every call); any other activation as it is."""
+    return torch.relu if function is F.relu else function
+
+
 class LeanWeights:
     """What the lean pass reads of each layer, arranged once: products as x · Wᵀ (addmm on a
-    contiguous C x out copy; nn.Linear's x · Wᵀ on the out x C weight re-packs it per call)."""
+    contiguous C x out copy; nn.Linear's x · Wᵀ on the out x C weight re-packs it per call),
+    layer norms as their plain parameters (norm_params)."""
 
     def __init__(self, layers):
         self.layers = [self.arrange(layer) for layer in layers]
@@ -47,16 +60,18 @@ class LeanWeights:
     def arrange(layer):
         attention, cross = layer.self_attn, layer.encoder_attn
         w = {
-            "pre": layer.normalize_before, "heads": attention.num_heads, "activation": layer.activation_fn,
+            "pre": layer.normalize_before, "heads": attention.num_heads,
+            "activation": activation(layer.activation_fn),
             "qkv": transposed(attention.q_proj, attention.k_proj, attention.v_proj, scale=attention.scaling),
-            "out": transposed(attention.out_proj), "self_norm": layer.self_attn_layer_norm,
-            "fc1": transposed(layer.fc1), "fc2": transposed(layer.fc2), "final_norm": layer.final_layer_norm,
+            "out": transposed(attention.out_proj), "self_norm": norm_params(layer.self_attn_layer_norm),
+            "fc1": transposed(layer.fc1), "fc2": transposed(layer.fc2),
+            "final_norm": norm_params(layer.final_layer_norm),
             "cross": None,
         }
         if cross is not None:
             w.update(cross={"heads": cross.num_heads, "q": transposed(cross.q_proj, scale=cross.scaling),
                             "kv": transposed(cross.k_proj, cross.v_proj), "out": transposed(cross.out_proj)},
-                     cross_norm=layer.encoder_attn_layer_norm)
+                     cross_norm=norm_params(layer.encoder_attn_layer_norm))
         return w
 
 
@@ -67,6 +82,29 @@ def product(x, weights):
 
 def norm(module, x):
     return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+
+
+def normed(params, x):
+    """norm() from norm_params: x ... x C -> ... x C."""
+    return torch.layer_norm(x, *params)
+
+
+def split_heads(x, rows, n, heads, start=0, channels=None):
+    """Columns start..start+C of x (B*n x W, rows contiguous) as B x h x n x d: one strided
+    view (a slice, view and transpose would be three operations, each paid per layer)."""
+    width = x.size(1)
+    channels = channels or width
+    return x.as_strided((rows, heads, n, channels // heads), (n * width, channels // heads, width, 1),
+                        x.storage_offset() + start)
+
+
+def merge_heads(out, rows, n):
+    """Attention's output B x h x n x d -> B*n x C: a view where its heads already lie side
+    by side per row (a single token; fused attention's own layout), else a copy."""
+    b, h, _, d = out.shape
+    if n == 1 or (out.stride(1) == d and out.stride(2) == h * d and out.stride(3) == 1):
+        return out.as_strided((rows * n, h * d), (h * d, 1), out.storage_offset())
+    return out.transpose(1, 2).reshape(rows * n, h * d)
 
 
 def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment_layer):
@@ -84,28 +122,29 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
     for i, w in enumerate(lean.layers):
         pre, heads = w["pre"], w["heads"]
         # Self-attention: the block's keys and values go into the cache, in place.
-        y = norm(w["self_norm"], x) if pre else x
+        y = normed(w["self_norm"], x) if pre else x
         qkv = product(y, w["qkv"])  # B*n x 3C
-        q = qkv[:, :channels].view(rows, n, heads, -1).transpose(1, 2)  # B x h x n x d
-        k, v = cache.write(i, qkv[:, channels:].view(rows, n, 2, channels).permute(2, 0, 1, 3), heads)
-        out = attend(q, k, v, mask)[0].transpose(1, 2).reshape(rows * n, channels)
-        x = x + product(out, w["out"])
+        q = split_heads(qkv, rows, n, heads, 0, channels)  # B x h x n x d
+        kv = qkv.as_strided((2, rows, n, channels), (channels, n * 3 * channels, 3 * channels, 1),
+                            qkv.storage_offset() + channels)  # 2 x B x n x C
+        k, v = cache.write(i, kv, heads)
+        x = x + product(merge_heads(attend(q, k, v, mask)[0], rows, n), w["out"])
         if not pre:
-            x = norm(w["self_norm"], x)
+            x = normed(w["self_norm"], x)
         cross = w["cross"]
         if cross is not None and encoder_out is not None:
-            y = norm(w["cross_norm"], x) if pre else x
+            y = normed(w["cross_norm"], x) if pre else x
             y, layer_attn = cross_attention(cross, cache, i, y, rows, n, encoder_out, padding_mask,
                                             i == alignment_layer)
             x = x + y
             if not pre:
-                x = norm(w["cross_norm"], x)
+                x = normed(w["cross_norm"], x)
             if layer_attn is not None:
                 attn = layer_attn
-        y = norm(w["final_norm"], x) if pre else x
+        y = normed(w["final_norm"], x) if pre else x
         x = x + product(w["activation"](product(y, w["fc1"])), w["fc2"])
         if not pre:
-            x = norm(w["final_norm"], x)
+            x = normed(w["final_norm"], x)
     x = x.view(rows, n, channels)
     if cache.rows is not None:  # the finished rows' outputs are no one's
         x = x.index_select(0, cache.rows)
@@ -123,7 +162,7 @@ def cross_attention(w, cache, i, y, rows, n, encoder_out, padding_mask, need_att
         kv = product(encoder_out.reshape(length * batch, channels), w["kv"]).view(length, batch, 2, heads, -1)
         source = (kv[:, :, 0].permute(1, 2, 0, 3).contiguous(), kv[:, :, 1].permute(1, 2, 0, 3).contiguous())
         cache.keep_source(i, *source, padding_mask)
-    q = product(y, w["q"]).view(rows, n, heads, -1).transpose(1, 2)
+    q = split_heads(product(y, w["q"]), rows, n, heads)
     out, weights = attend(q, *source, cache.source_mask, need_attn)
-    out = product(out.transpose(1, 2).reshape(rows * n, channels), w["out"])
+    out = product(merge_heads(out, rows, n), w["out"])
     return out, weights.mean(dim=1) if need_attn else None
