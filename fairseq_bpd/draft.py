@@ -58,6 +58,7 @@ class DraftDecoder(nn.Module, Proposer):
     """
 
     independent = False  # each step reads the proposal before it
+    cache_columns = 64  # the decoding cache's columns at a batch's start (doubled when full)
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()
@@ -177,7 +178,7 @@ class DraftDecoder(nn.Module, Proposer):
         keys, values, allowed = self.source(encoder_out)
         source_mask = keys.new_zeros(allowed.shape).masked_fill_(~allowed, -math.inf)[:, None]  # b x 1 x 1 x S
         b, h = features.size(0), self.self_attn.num_heads
-        kv = features.new_zeros(b, 2, h, 64, features.size(-1) // h)
+        kv = features.new_zeros(b, 2, h, self.cache_columns, features.size(-1) // h)
         self.state = DraftState(kv, keys, values, source_mask, encoder_out["encoder_out"][0], self.weights())
 
     def weights(self):

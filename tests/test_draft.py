@@ -233,6 +233,17 @@ def test_the_drafts_cache_follows_the_accepted_prefix_as_sentences_leave(data_di
     assert len({len(rows) for rows, _, _ in proposer.first}) > 2  # sentences left at several blocks
 
 
+def test_the_drafts_cache_grows_as_the_prefix_does(data_dir, monkeypatch):
+    """A cache that starts with room for one entry grows, mid-proposal too, and keeps what
+    it held: decoding stays exact and every proposal the teacher-forced draft's."""
+    monkeypatch.setattr(DraftDecoder, "cache_columns", 1)
+    model, task, sample, expected = eos_draft(data_dir)
+    proposer, generator = watched(model, task, expected, lambda s, n: (s + n) % 3 != 0)
+    assert_same(expected, generator.generate([model], sample))
+    assert model.decoder.heads.state.kv.size(3) >= 8
+    assert_proposals_teacher_forced(model, task, sample, [e["tokens"] for e in expected], proposer)
+
+
 def test_a_second_batch_starts_a_fresh_draft_state(data_dir):
     """The generator tells the proposer of no new batch: the draft sees another encoder
     output and starts afresh."""
