@@ -289,7 +289,7 @@ def widths(run, job):
     heads, task, _ = bench.load(run.file("checkpoint.pt"), job.data)
     heads.to(device)
     try:
-        table = calibrate(heads, task, "valid", WIDTH_BATCH_SIZES, job.speed_sentences, 1, device)
+        table = calibrate(heads, task, "valid", WIDTH_BATCH_SIZES, device, repeats=1)  # one command: one round
     except BlockwiseRequestError as error:  # the heads serve without a table: go on to the speed
         say(f"warning: no width table ({error}); --blockwise alone decodes at width 1, a rerun tries again")
         return None

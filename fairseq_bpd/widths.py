@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,21 +45,37 @@ class WidthTable:
 
     expected: k, tokens a block of each width adds per invocation. seconds: {width:
     {batch size: seconds of one invocation}}. machine, model: what they were measured on
-    (machine() and fingerprint()).
+    (machine() and fingerprint()). speeds: {width: {batch size: tokens per second}} of whole
+    decodes of batches of that size at that width ({}: none measured).
     """
 
     expected: list
     seconds: dict
     machine: str = ""
     model: str = ""
+    speeds: dict = field(default_factory=dict)
 
     def costs(self, batch_size):
         """Seconds of an invocation of each width at `batch_size`: k."""
         return np.array([cost_at(self.seconds[width], batch_size) for width in range(1, len(self.expected) + 1)])
 
     def width(self, batch_size):
-        """The width of most expected tokens per second at `batch_size`: an int (ties go narrower)."""
-        return choose_width(np.asarray(self.expected, dtype=np.float64), self.costs(batch_size), slack=0.0)
+        """The width of most expected tokens per second at `batch_size` among those allowed
+        there (allowed()): an int (ties go narrower)."""
+        expected = np.where(self.allowed(batch_size), self.expected, 0.0)
+        return choose_width(expected, self.costs(batch_size), slack=0.0)
+
+    def allowed(self, batch_size):
+        """Which widths may be chosen at `batch_size`: k booleans. Width 1, and a wider width
+        whose whole decodes were faster than width 1's at the largest batch size measured up
+        to `batch_size` (the smallest, below them): a guard on the block costs, which
+        leave out what a block's cycle does not hold."""
+        allowed = np.ones(len(self.expected), dtype=bool)
+        sizes = sorted(set(self.speeds.get(1, {})).intersection(*(by_size for by_size in self.speeds.values())))
+        if sizes:
+            size = max([b for b in sizes if b <= batch_size] or sizes[:1])
+            allowed[1:] = [self.speeds[w][size] > self.speeds[1][size] for w in range(2, len(self.expected) + 1)]
+        return allowed
 
 
 def cost_at(points, batch_size):
@@ -80,10 +96,20 @@ def cost_at(points, batch_size):
 def save_table(table, path):
     """Write `table` as JSON to `path` (load_table reads it), making its folder."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    seconds = {str(w): {str(b): s for b, s in sorted(by_size.items())} for w, by_size in sorted(table.seconds.items())}
+    written = {"expected": table.expected, "seconds": by_width_out(table.seconds), "machine": table.machine,
+               "model": table.model, "speeds": by_width_out(table.speeds)}
     with open(path, "w") as f:
-        json.dump({"expected": table.expected, "seconds": seconds, "machine": table.machine, "model": table.model},
-                  f, indent=1)
+        json.dump(written, f, indent=1)
+
+
+def by_width_out(values):
+    """{width: {batch size: value}} with JSON's string keys, in order."""
+    return {str(w): {str(b): v for b, v in sorted(by_size.items())} for w, by_size in sorted(values.items())}
+
+
+def by_width_in(values):
+    """by_width_out's inverse: {width: {batch size: float}}."""
+    return {int(w): {int(b): float(v) for b, v in by_size.items()} for w, by_size in values.items()}
 
 
 def load_table(path):
@@ -92,18 +118,18 @@ def load_table(path):
         with open(path) as f:
             raw = json.load(f)
         expected = [float(e) for e in raw["expected"]]
-        seconds = {int(w): {int(b): float(s) for b, s in by_size.items()} for w, by_size in raw["seconds"].items()}
+        seconds, speeds = by_width_in(raw["seconds"]), by_width_in(raw.get("speeds", {}))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise BlockwiseRequestError(f"--blockwise-widths: cannot read a width table from {path} ({error!r})") from None
     if not isinstance(raw["expected"], list) or not expected or sorted(seconds) != list(range(1, len(expected) + 1)) \
             or not all(seconds.values()):
         raise BlockwiseRequestError(f"--blockwise-widths: {path} holds no list of tokens per block with seconds "
                                     f"for each of its widths")
-    values = [*expected, *(c for by_size in seconds.values() for c in by_size.values())]
+    values = [*expected, *(v for table in (seconds, speeds) for by_size in table.values() for v in by_size.values())]
     if not all(math.isfinite(v) and v > 0 for v in values) or min(expected) < 1:
         raise BlockwiseRequestError(f"--blockwise-widths: {path} holds a value that is no finite positive "
                                     f"cost or a block of under one token")
-    return WidthTable(expected, seconds, raw.get("machine", ""), raw.get("model", ""))
+    return WidthTable(expected, seconds, raw.get("machine", ""), raw.get("model", ""), speeds)
 
 
 def machine(device):
@@ -212,41 +238,57 @@ def say_once(message):
 
 
 class TimedWidths:
-    """A width policy that takes the widths 1..widest in turn, block by block, and times each
-    block by width and batch size (scripts/calibrate_widths.py).
+    """The width policy of a calibration (calibrate()): every block at the width `fixed`, which
+    the calibration sets before each decode, each block timed by width and batch size.
 
-    Taking turns block by block, not a run per width, puts every width under the same load
-    on a shared machine. seconds: {width: {batch size: [seconds of each block]}}, from one
-    width() call to the next, a block's whole cycle from proposing to the crop (a batch's
-    last block is not timed); added, blocks: {width: tokens added, sentence-blocks}.
+    A run of one width is timed, not widths taking turns block by block: a block's cost
+    depends on the blocks before it (the cache's shape, what the CPU's caches hold), so a
+    narrow block timed between wide ones is not what a run of narrow blocks costs.
+    seconds: {width: {batch size: [seconds of each block]}}, from one width() call to the
+    next, a block's whole cycle from proposing to the crop (a batch's first pass, on BOS
+    alone, and its last block are not timed); added, blocks: {width: tokens added,
+    sentence-blocks}; decodes: {width: {batch size: {batch: [tokens, [seconds of each
+    round]]}}}, whole decodes as calibrate() times them (ran()).
     """
 
     def __init__(self, widest, clock=time.perf_counter):
-        self.widest, self.clock = widest, clock
+        self.widest, self.clock, self.fixed = widest, clock, 1
+        self.timed = True  # False: a warm-up, nothing kept
         self.seconds = {width: defaultdict(list) for width in range(1, widest + 1)}
         self.added, self.blocks = defaultdict(int), defaultdict(int)
-        self.turn = 0
-        self.timing = None  # (width, batch size, start) of the block under way
+        self.decodes = {width: defaultdict(dict) for width in range(1, widest + 1)}
+        self.timing = None  # (batch size, start) of the block under way
 
     def start(self):
         self.timing = None
 
     def width(self, batch_size):
         now = self.clock()
-        if self.timing is not None:
-            width, size, start = self.timing
-            self.seconds[width][size].append(now - start)
-        self.turn += 1
-        width = 1 + self.turn % self.widest
-        self.timing = (width, batch_size, self.clock())
-        return width
+        if self.timing is not None and self.timed:
+            size, start = self.timing
+            self.seconds[self.fixed][size].append(now - start)
+        self.timing = (batch_size, now)
+        return self.fixed
 
     def observe(self, width, kept, added, limit):
-        self.added[width] += int(added.sum())
-        self.blocks[width] += added.numel()
+        if self.timed:
+            self.added[width] += int(added.sum())
+            self.blocks[width] += added.numel()
+
+    def ran(self, batch_size, batch, tokens, seconds):
+        """Batch `batch` of `batch_size` sentences decoded at width `fixed`: `tokens` in `seconds`."""
+        if self.timed:
+            self.decodes[self.fixed][batch_size].setdefault(batch, [tokens, []])[1].append(seconds)
+
+    def speeds(self):
+        """{width: {batch size: tokens per second of whole decodes}}: each batch's median round."""
+        return {w: {size: sum(tokens for tokens, _ in runs.values())
+                    / sum(float(np.median(rounds)) for _, rounds in runs.values())
+                    for size, runs in by_size.items()} for w, by_size in self.decodes.items()}
 
     def table(self, machine="", model="", least=3):
-        """The WidthTable of what was timed: tokens per sentence-block and pooled seconds per width."""
+        """The WidthTable of what was timed: tokens per sentence-block, pooled seconds per width
+        and the speeds of whole decodes."""
         expected = [self.added[w] / max(self.blocks[w], 1) if w > 1 else 1.0 for w in range(1, self.widest + 1)]
         # A wider block keeps at least what a narrower one would at the same position: a
         # narrower width measured higher is sampling noise.
@@ -260,7 +302,7 @@ class TimedWidths:
                 f"calibration: too few timed blocks to compare widths 1..{self.widest} at any batch size "
                 f"(each width needs {least} in one pool of batch sizes): give more --sentences or --repeats")
         costs = {w: {b: c for b, c in by_size.items() if pool_of(b) in common} for w, by_size in costs.items()}
-        return WidthTable(expected, costs, machine, model)
+        return WidthTable(expected, costs, machine, model, self.speeds())
 
 
 # A calibration pools the timings of nearby batch sizes (a batch of 128 shrinks through every
@@ -299,20 +341,35 @@ def nondecreasing(values):
     return [mean for mean, count in blocks for _ in range(count)]
 
 
-def calibrate(model, task, subset, batch_sizes, sentences, repeats, device):
+# What a calibration decodes by default: the first SENTENCES of the split (or one batch, if
+# larger) at each batch size, every width REPEATS times: about a minute for k=8 on a small CPU.
+SENTENCES, REPEATS = 32, 2
+
+
+def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, repeats=REPEATS):
     """The WidthTable of `model` on this machine, measured on `subset` (scripts/calibrate_widths.py;
-    python -m fairseq_bpd.speedup's widths step)."""
+    python -m fairseq_bpd.speedup's widths step).
+
+    Every width decodes every batch on its own; the widths take turns batch by batch, and
+    the rounds repeat, so that load on a shared machine falls on all of them alike.
+    """
     from . import bench  # the benchmark harness (sacrebleu and all), only when calibrating
 
     k = bench.full_width(model)
     generator = BlockwiseOptions(block_size=k).generator(model, task.target_dictionary)
-    policy = TimedWidths(k)
+    generator.policy = policy = TimedWidths(k)
     for batch_size in batch_sizes:
         samples = bench.batches(task, subset, batch_size, max(sentences, batch_size), device)
-        generator.policy = TimedWidths(k)  # a warm-up, not timed: the first decode of a shape allocates
-        bench.decode(generator, model, samples[:1])
-        generator.policy = policy
-        for _ in range(repeats):
-            bench.decode(generator, model, samples)
-        print(f"batch {batch_size}: {len(samples)} batches x {repeats} rounds timed", flush=True)
+        for turn in range(repeats + 1):  # turn 0 warms every width up: the first decode of a shape allocates
+            policy.timed = turn > 0
+            for index, sample in enumerate(samples[:1] if turn == 0 else samples):
+                for policy.fixed in widths_in_turn(k, index + turn):
+                    hypos, seconds = bench.decode(generator, model, [sample])
+                    policy.ran(batch_size, index, sum(len(h["tokens"]) for h in hypos.values()), seconds)
+        print(f"batch {batch_size}: {len(samples)} batches x {k} widths x {repeats} rounds timed", flush=True)
     return policy.table(machine(device), fingerprint(model))
+
+
+def widths_in_turn(widest, turn):
+    """Widths 1..widest, starting from another each turn: no width always decodes first."""
+    return [1 + (turn + i) % widest for i in range(widest)]

@@ -1,31 +1,32 @@
 #!/usr/bin/env python
 """Measure the width table that --blockwise alone chooses each block's width from (fairseq_bpd/widths.py).
 
-Decodes the first --sentences of a held-out split (valid by default) at each --batch-sizes,
---repeats times, under the default generator (its widest block the checkpoint's k) with the
-widths 1..k taking turns block by block, so that every width sees the same load on a
-shared machine; times every block at the batch size still decoding. Writes, per width,
-the median seconds of an invocation by pooled batch size and the tokens a block adds per
-sentence, to this model's table on this machine (where --blockwise looks:
-fairseq_bpd/widths.py table_path) and to --out if given. Measure again after changing the
-machine, torch or the plugin: the costs are theirs.
+Decodes the first --sentences of a held-out split (valid by default) at each --batch-sizes
+(one batch of that size where it is larger), every batch at every width 1..k on its own
+(the checkpoint's k), the widths taking turns batch by batch and the rounds repeated
+--repeats times, so that every width sees the same load on a shared machine. Times every
+block at the batch size still decoding, and every whole decode. Writes, per width, the
+tokens a block adds per sentence, the lower quartile of a block's seconds by pooled batch
+size and the tokens per second of whole decodes at each batch size, to this model's table
+on this machine (where --blockwise looks: fairseq_bpd/widths.py table_path) and to --out if
+given. Measure again after changing the machine, torch or the plugin: the costs are theirs.
 
   .venv/bin/python scripts/calibrate_widths.py --data DATA --path CKPT \\
-      [--batch-sizes 1 8 32 128] [--sentences 64] [--repeats 3] [--threads N] [--out FILE] [--if-missing]
+      [--batch-sizes 1 8 32 128] [--sentences 32] [--repeats 2] [--threads N] [--out FILE] [--if-missing]
 """
 import argparse
 import os
 
 from fairseq_bpd import bench
-from fairseq_bpd.widths import calibrate, save_table, table_path
+from fairseq_bpd.widths import REPEATS, SENTENCES, calibrate, save_table, table_path
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_data_args(ap, subset="valid")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
-    ap.add_argument("--sentences", type=int, default=64, help="the first N of --subset (at least a batch)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds over each batch size's batches")
+    ap.add_argument("--sentences", type=int, default=SENTENCES, help="the first N of --subset (at least a batch)")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="rounds over each batch size's batches")
     ap.add_argument("--out", help="also write the table here (e.g. beside the checkpoint)")
     ap.add_argument("--if-missing", action="store_true", help="measure only if this model has no table here yet")
     bench.add_device_args(ap)
@@ -39,7 +40,7 @@ def main():
     if args.if_missing and os.path.exists(table_path(model, device)):
         print(f"this model's width table on this machine: {table_path(model, device)}")
         return
-    table = calibrate(model, task, args.subset, sorted(args.batch_sizes), args.sentences, args.repeats, device)
+    table = calibrate(model, task, args.subset, sorted(args.batch_sizes), device, args.sentences, args.repeats)
     print("tokens per block by width: " + " ".join(f"{e:.2f}" for e in table.expected))
     for path in filter(None, (table_path(model, device), args.out)):
         save_table(table, path)

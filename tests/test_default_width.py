@@ -83,18 +83,28 @@ def test_pools_gather_nearby_batch_sizes_and_cost_no_less_with_more_rows():
     assert nondecreasing([1.0, 3.0, 2.0, 1.0, 5.0]) == [1.0, 2.0, 2.0, 2.0, 5.0]
 
 
-def test_timed_widths_take_turns_and_measure_tokens_per_block():
+def test_timed_widths_time_runs_of_one_width_and_measure_tokens_per_block():
     now = [0.0]
     policy = TimedWidths(3, clock=lambda: now[0])
-    policy.start()
-    # Widths 2, 3, 1, 2 in turn; a block of width w takes w seconds.
-    for batch_size, kept in ((4, [2, 1, 2, 1]), (4, [3, 1, 3, 1]), (4, [1, 1, 1, 1]), (3, [2, 2, 2])):
-        width = policy.width(batch_size)
-        now[0] += width
-        added = torch.tensor(kept)
-        policy.observe(width, added, added, added + 3)
-    policy.width(2)
-    assert {w: dict(s) for w, s in policy.seconds.items()} == {1: {4: [1.0]}, 2: {4: [2.0], 3: [2.0]}, 3: {4: [3.0]}}
+
+    def decode(width, blocks):
+        """One batch decoded at `width`: blocks of (batch size, tokens each sentence adds)."""
+        policy.fixed = width
+        policy.start()
+        for batch_size, kept in blocks:
+            assert policy.width(batch_size) == width
+            now[0] += width  # a block of width w takes w seconds
+            added = torch.tensor(kept)
+            policy.observe(width, added, added, added + 3)
+
+    policy.timed = False  # a warm-up: nothing kept
+    decode(3, [(4, [3, 3, 3, 3]), (4, [3, 3, 3, 3])])
+    policy.timed = True
+    decode(2, [(4, [2, 1, 2, 1]), (3, [2, 2, 2])])
+    decode(3, [(4, [3, 1, 3, 1]), (4, [3, 1, 3, 1])])
+    decode(1, [(4, [1, 1, 1, 1]), (4, [1, 1, 1, 1])])
+    # Each batch's last block is not timed: its end is the next batch's start, another width's.
+    assert {w: dict(s) for w, s in policy.seconds.items()} == {1: {4: [1.0]}, 2: {4: [2.0]}, 3: {4: [3.0]}}
     table = policy.table(least=1)
     assert table.expected == pytest.approx([1.0, 12 / 7, 2.0])  # tokens added per sentence-block
     assert table.seconds == {1: {4: 1.0}, 2: {4: 2.0}, 3: {4: 3.0}}  # the pools every width was timed in
@@ -102,6 +112,25 @@ def test_timed_widths_take_turns_and_measure_tokens_per_block():
     assert policy.table(least=1).expected == pytest.approx([1.0, 12 / 7, 12 / 7])
     with pytest.raises(BlockwiseRequestError, match="too few timed blocks to compare widths 1..3"):
         policy.table(least=2)  # no pool holds two timings of every width
+
+
+def test_whole_decodes_give_speeds_and_a_width_no_faster_than_width_one_is_not_chosen():
+    policy = TimedWidths(2)
+    for width, rounds in ((1, [1.0, 1.2, 9.0]), (2, [2.0, 1.9, 2.1])):  # 9.0: preempted, not the median
+        policy.fixed = width
+        for seconds in rounds:
+            policy.ran(1, 0, 10, seconds)
+            policy.ran(8, 0, 80, seconds)
+        policy.ran(8, 1, 40, 1.0)  # a second batch of 8 decoded once: its tokens and seconds add
+    assert policy.speeds() == {1: {1: pytest.approx(10 / 1.2), 8: pytest.approx(120 / 2.2)},
+                               2: {1: pytest.approx(10 / 2.0), 8: pytest.approx(120 / 3.0)}}
+    # Block costs that favour width 2 everywhere: whole decodes overrule them where they were measured.
+    table = WidthTable([1.0, 1.9], {1: {1: 1.0, 8: 2.0}, 2: {1: 1.0, 8: 2.0}}, speeds={1: {1: 10.0, 8: 60.0},
+                                                                                       2: {1: 9.0, 8: 61.0}})
+    assert [table.width(b) for b in (1, 4, 8, 64)] == [1, 1, 2, 2]  # below 8 the speeds at 1 hold
+    assert table.allowed(1).tolist() == [True, False] and table.allowed(8).tolist() == [True, True]
+    table.speeds = {}  # a table without speeds: the block costs alone
+    assert table.width(1) == 2
 
 
 def test_a_width_timed_at_other_batch_sizes_only_is_not_compared_there():
@@ -118,6 +147,9 @@ def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
     path = str(tmp_path / "widths.json")
     save_table(hand_made(), path)
     assert load_table(path) == hand_made()
+    with_speeds = WidthTable([1.0, 1.5], {1: {1: 1.0}, 2: {1: 1.5}}, speeds={1: {1: 10.0}, 2: {1: 12.5}})
+    save_table(with_speeds, path)
+    assert load_table(path) == with_speeds
     with open(path, "w") as f:
         json.dump({"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}}}, f)
     with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: .* seconds for each of its widths"):
@@ -126,7 +158,8 @@ def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
                 {"expected": [1.0, 1.5], "seconds": {"1": {"1": float("nan")}, "2": {"1": 1.0}}},
                 {"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": -1.0}}},
                 {"expected": [1.0, float("inf")], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}},
-                {"expected": [0.5, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}}):
+                {"expected": [0.5, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}},
+                {"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}, "speeds": {"1": {"1": 0}}}):
         with open(path, "w") as f:
             json.dump(bad, f)
         with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: "):
