@@ -30,9 +30,12 @@ def weights_key(*weights):
     """What tells that weights changed (storage, version counter, dtype, device), and whether
     what is made from them is made under inference_mode (whose tensors autograd refuses);
     None for inference_mode's own tensors, which keep no version counter: then nothing does."""
-    if any(w.is_inference() for w in weights):
-        return None
-    return (torch.is_inference_mode_enabled(), *((w.data_ptr(), w._version, w.dtype, w.device) for w in weights))
+    key = [torch.is_inference_mode_enabled()]  # a loop, not generators: this runs a few times an invocation
+    for w in weights:
+        if w.is_inference():
+            return None
+        key += (w.data_ptr(), w._version, w.dtype, w.device)
+    return tuple(key)
 
 
 STATIC = "blockwise_static_cache"  # the incremental-state key of a StaticCache
@@ -338,7 +341,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         made again when the embeddings' weights, dtype or device change, or after train().
         """
         weight = self.embed_tokens.weight
-        key = weights_key(weight, *self.embed_positions.parameters())
+        key = weights_key(weight, *self.embed_positions.parameters(recurse=False))
         table = getattr(self, "_position_table", None)
         if key is None or table is None or table.size(0) < size or self._position_key != key:
             rows = min(1 << max(size - 1, 63).bit_length(), max(size, self.max_positions()))  # 64 at least

@@ -100,3 +100,105 @@ def test_greedy_choice_in_half_precision_is_topks_first():
     scores = torch.randn(2, 8, 5000).half()
     scores[:, :, 4999] = 10.0  # the best token's index has no float16 of its own
     assert torch.equal(greedy_choice(scores, 1)[1], topk_first(scores)[1])
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_a_chain_at_one_position_for_all_rows_is_the_per_row_positions(data_dir, static):
+    """forward_block given a chain's first position as an int (every row's cache equally
+    long) computes what the b x n positions compute."""
+    from conftest import random_sample
+
+    task, model, _ = build(data_dir, "--block-size", "4", seed=2, dtype=torch.float64)
+    decoder = model.decoder
+    decoder.static_cache = static
+    encoder_out = model.encoder.forward_torchscript(random_sample(task, bsz=2, seed=2)["net_input"])
+    first = torch.full((2, 1), task.target_dictionary.eos())
+    block = torch.randint(4, 20, (2, 3), generator=torch.Generator().manual_seed(0))
+    features = []
+    with torch.inference_mode():
+        for positions in (lambda p: p, lambda p: torch.full((2, 1), p) + torch.arange(block.size(1) if p else 1)):
+            state, one = {}, torch.ones(2, dtype=torch.long)
+            decoder.forward_block(first, positions(0), encoder_out, state)
+            decoder.crop_cache(state, 0 * one, 1, 0 * one[:, None], one)
+            assert decoder.cached_length(state) == 1
+            features.append(decoder.forward_block(block, positions(1), encoder_out, state)[0])
+    decoder.static_cache = True
+    torch.testing.assert_close(features[0], features[1], rtol=0, atol=0)
+
+
+def test_cached_length_is_known_only_where_all_rows_are_alike(data_dir):
+    """The static cache knows its rows' common length after a crop that keeps as many
+    entries in each, and not after one that keeps different counts."""
+    from conftest import random_sample
+
+    task, model, _ = build(data_dir, "--block-size", "4", seed=3, dtype=torch.float64)
+    decoder = model.decoder
+    encoder_out = model.encoder.forward_torchscript(random_sample(task, bsz=2, seed=3)["net_input"])
+    state, cached = {}, torch.zeros(2, dtype=torch.long)
+    with torch.inference_mode():
+        assert decoder.cached_length(state) == 0
+        decoder.forward_block(torch.full((2, 1), task.target_dictionary.eos()), 0, encoder_out, state)
+        cached = decoder.crop_cache(state, cached, 1, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
+        assert decoder.cached_length(state) == 1
+        block = torch.randint(4, 20, (2, 3))
+        decoder.forward_block(block, 1, encoder_out, state)
+        path = torch.arange(3).expand(2, -1)
+        cached = decoder.crop_cache(state, cached, 3, path, torch.tensor([3, 3]))
+        assert decoder.cached_length(state) == 4
+        decoder.forward_block(block, 4, encoder_out, state)
+        decoder.crop_cache(state, cached, 3, path, torch.tensor([1, 2]))
+        assert decoder.cached_length(state) is None
+
+
+class Operations(torch.utils._python_dispatch.TorchDispatchMode):
+    """The tensor operations run inside it, by name, and the host waits among them."""
+
+    WAITS = ("aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default")
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def waits(self):
+        return sum(name in self.WAITS for name in self.names)
+
+
+def test_a_block_of_one_at_batch_one_indexes_no_rows_and_waits_twice(data_dir):
+    """Width 1 at batch 1 on the static cache: one output each invocation at a column known
+    on the host, so no invocation gathers, scatters or indexes per row; the host waits
+    for the NaN check and for the finished check only; the output is greedy's."""
+    from conftest import random_sample
+    from test_generator import assert_same, blockwise, greedy
+
+    task, model, _ = build(data_dir, "--block-size", "4", seed=4)
+    sample = random_sample(task, bsz=1, seed=4)
+    expected = greedy(model, task, sample, max_len_b=12)
+    decoder, seen = model.decoder, []
+    forward_block = decoder.forward_block
+
+    def counted(*args, **kwargs):  # the operations from one decoder pass to the next
+        if seen:
+            seen[-1].__exit__(None, None, None)
+        out = forward_block(*args, **kwargs)
+        seen.append(Operations())
+        seen[-1].__enter__()
+        return out
+
+    decoder.forward_block = counted
+    try:
+        hypos, generator = blockwise(model, task, sample, 1, max_len_b=12)
+    finally:
+        if seen:
+            seen[-1].__exit__(None, None, None)
+        del decoder.forward_block
+    assert_same(expected, hypos)
+    invocations = seen[1:-1]  # between passes, the bookkeeping: neither the first nor the last
+    assert len(invocations) >= 3
+    for ops in invocations:
+        assert not [n for n in ops.names if n.split(".")[1] in ("gather", "scatter_", "index", "index_select",
+                                                                  "nonzero")], ops.names
+        assert ops.waits() == 2, ops.names
