@@ -283,7 +283,8 @@ def widths(run, job):
     machine on the valid split (fairseq_bpd/widths.py), in the user's cache and beside the checkpoint."""
     from . import bench
     from .errors import BlockwiseRequestError
-    from .widths import calibrate, save_table, table_path
+    from .calibration import calibrate
+    from .widths import save_table, table_path
 
     device = bench.pick_device(bool(job.cpu))
     heads, task, _ = bench.load(run.file("checkpoint.pt"), job.data)

@@ -18,7 +18,8 @@ import argparse
 import os
 
 from fairseq_bpd import bench
-from fairseq_bpd.widths import REPEATS, SENTENCES, calibrate, save_table, table_path
+from fairseq_bpd.calibration import REPEATS, SENTENCES, calibrate
+from fairseq_bpd.widths import save_table, table_path
 
 
 def main():

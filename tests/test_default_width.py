@@ -18,10 +18,8 @@ from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.generator import BlockwiseStats, FixedWidth
 from fairseq_bpd import widths
 from fairseq_bpd.options import BlockwiseOptions
-from fairseq_bpd.widths import (
-    TableWidth, TimedWidths, WidthTable, cost_at, load_table, nondecreasing, pool_of, pooled, save_table,
-    table_path,
-)
+from fairseq_bpd.calibration import TimedWidths, nondecreasing, pool_of, pooled
+from fairseq_bpd.widths import TableWidth, WidthTable, cost_at, load_table, save_table, table_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
