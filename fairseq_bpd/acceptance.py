@@ -232,9 +232,10 @@ def greedy_step(lprobs, score, eos):
     accept or roll back. Returns commit's outputs and output scores (b x 1), added (b,
     all 1) and finished (b).
     """
-    values, candidates = greedy_choice(lprobs + score[:, None, None], 1)
-    outputs = candidates[:, :, 0]
-    return outputs, values[:, :, 0], torch.ones_like(score, dtype=torch.long), outputs[:, 0] == eos
+    b, _, V = lprobs.shape
+    # As b x V rows: the choices come out b x 1, the outputs' own shape (no reshaping after).
+    values, outputs = greedy_choice(lprobs.reshape(b, V) + score.view(b, 1), 1)
+    return outputs, values, torch.ones_like(score, dtype=torch.long), outputs.view(b) == eos
 
 
 def commit(block, candidates, values, running, kept, eos):

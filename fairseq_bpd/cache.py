@@ -186,6 +186,7 @@ class StaticCache:
         self.sources = [None] * len(layers)
         self.longest, self.equal, self.tree, self.n = 0, True, False, 0
         self.chain_masks = {}
+        self.position_rows = None  # the decoder's position table for this batch (decoder.positions_for)
 
     def width(self):
         """Columns before the next block: the longest row's length, an int."""

@@ -197,6 +197,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         where the caller knows one on the host (the generator does), sparing a wait for it.
         """
         n = tokens.size(1)
+        cache = self.cache(incremental_state)
         x = self.embed_scale * self.embed(tokens)
         if self.quant_noise is not None:
             x = self.quant_noise(x)
@@ -204,10 +205,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
             x = self.project_in_dim(x)
         if self.embed_positions is not None:
             if isinstance(positions, int):  # a chain after equal prefixes: rows p..p+n-1 for all
-                x += self.position_table(positions + n)[positions:]
+                x += self.positions_for(cache, positions + n)[positions : positions + n]
             else:
                 longest = int(positions.max()) if longest is None else longest
-                x += self.position_table(longest + 1)[positions]
+                x += self.positions_for(cache, longest + 1)[positions]
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         if self.dropout_module.training or self.dropout_module.apply_during_inference:
@@ -218,7 +219,6 @@ class BlockwiseDecoder(TransformerDecoderBase):
         padding_mask = (
             encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
         )
-        cache = self.cache(incremental_state)
         if type(cache) is StaticCache:
             x, attn = static_pass(self._lean_weights, cache, x, enc, padding_mask, self_attn_mask,
                                   self.num_layers - 1)
@@ -233,12 +233,24 @@ class BlockwiseDecoder(TransformerDecoderBase):
         return x, attn
 
     def embed(self, tokens):
-        """The tokens' embeddings (unscaled): ... -> ... x E; F.embedding where the module has
-        no hooks (a plain nn.Embedding: the module's call costs more than the lookup of a block)."""
+        """The tokens' embeddings (unscaled): ... -> ... x E; torch's own lookup where the module
+        is a plain nn.Embedding with no hooks (the module's call, and F.embedding's checks of
+        options decoding does not use, cost more than the lookup of a block)."""
         module = self.embed_tokens
-        if type(module) is nn.Embedding and not module._forward_hooks and not module._forward_pre_hooks:
-            return nn.functional.embedding(tokens, module.weight, module.padding_idx)
+        if (type(module) is nn.Embedding and module.max_norm is None and not module._forward_hooks
+                and not module._forward_pre_hooks):
+            return torch.embedding(module.weight, tokens)
         return module(tokens)
+
+    def positions_for(self, cache, size):
+        """position_table(size) or longer, kept by a StaticCache for its batch: the weights do
+        not change while a batch decodes, and checking them costs more than the lookup."""
+        table = getattr(cache, "position_rows", None)
+        if table is None or table.size(0) < size:
+            table = self.position_table(size)
+            if type(cache) is StaticCache:
+                cache.position_rows = self._position_table
+        return table
 
     def incremental_pass(self, x, enc, padding_mask, incremental_state, cache, self_attn_mask):
         """The layers over a block on fairseq's incremental state: x n x b x C -> n x b x C, attention."""
