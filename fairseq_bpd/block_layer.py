@@ -168,5 +168,7 @@ def attend(q, k, v, mask, need_weights=False):
     scores = q @ k.transpose(2, 3)
     if mask is not None:
         scores = scores + mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if weights.dtype != q.dtype:
+        weights = weights.to(q)
     return weights @ v, weights

@@ -104,7 +104,9 @@ class Batch:
         each, written at one column (narrow copies, no per-row index)."""
         self.tokens.narrow(1, length + 1, 1).copy_(outputs)
         self.scores.narrow(1, length, 1).copy_(output_scores)
-        self.score = output_scores[:, 0].to(self.scores)
+        self.score = output_scores[:, 0]
+        if self.score.dtype != self.scores.dtype:
+            self.score = self.score.to(self.scores)
         if block_attn is not None:
             if self.attn is None:
                 self.attn = self.scores.new_zeros(*block_attn.shape[::2], self.scores.size(1))
@@ -342,7 +344,7 @@ class BlockwiseGenerator(nn.Module):
         lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
         # fairseq turns NaN log-probs into -inf. A finite sum (one vectorised reduction) says
         # there are none, far cheaper than the fix, which then runs only where one may be.
-        if not bool(torch.isfinite(lprobs.sum())):
+        if not math.isfinite(lprobs.sum().item()):
             torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         lprobs.select(-1, self.pad).fill_(-math.inf)
         if self.unk_penalty:
