@@ -175,13 +175,22 @@ def decoding_logits(decoder, features, vocab):
         logits[..., decoder.padding_idx] = -math.inf
         return logits
     columns, padding = projection  # C x N, N: one addmm, the padding's -inf its bias
+    if features.dim() == 2:  # b x C, a chain's head: no reshaping either side
+        return torch.addmm(padding, features, columns)
     flat = torch.addmm(padding, features.reshape(-1, features.size(-1)), columns)
     return flat.view(*features.shape[:-1], columns.size(1))
 
 
 def best_tokens(decoder, features, vocab, topn):
-    """The `topn` best tokens of proposal features and their log-probs: ... x C -> ... x topn."""
-    lprobs, tokens = decoding_logits(decoder, features, vocab).log_softmax(dim=-1).topk(topn, dim=-1)
+    """The `topn` best tokens of proposal features and their log-probs: ... x C -> ... x topn.
+
+    One best token by max, not topk (a sort, slower over a row): which of tied tokens a
+    proposal names changes no output, verification being exact."""
+    lprobs = decoding_logits(decoder, features, vocab).log_softmax(dim=-1)
+    if topn == 1:
+        lprobs, tokens = lprobs.max(dim=-1, keepdim=True)
+        return tokens, lprobs
+    lprobs, tokens = lprobs.topk(topn, dim=-1)
     return tokens, lprobs
 
 
