@@ -88,7 +88,7 @@ class Batch:
         """Write a block's outputs b x n after each sentence's; outputs past `added` read pad."""
         offsets = self.offsets[: outputs.size(1)]  # n: 1, 2, ...
         columns = self.length[:, None] + offsets  # b x n
-        output_scores = output_scores.to(self.scores)
+        output_scores = output_scores if output_scores.dtype == self.scores.dtype else output_scores.to(self.scores)
         self.tokens.scatter_(1, columns, torch.where(offsets <= added[:, None], outputs, pad))
         self.scores.scatter_(1, columns - 1, output_scores)
         self.score = output_scores.gather(1, added[:, None] - 1)[:, 0]
@@ -96,7 +96,8 @@ class Batch:
             if self.attn is None:
                 self.attn = self.scores.new_zeros(*block_attn.shape[::2], self.scores.size(1))
             index = columns[:, None, :].expand(-1, block_attn.size(2), -1)
-            self.attn.scatter_(2, index, block_attn.transpose(1, 2).to(self.attn))
+            block_attn = block_attn if block_attn.dtype == self.attn.dtype else block_attn.to(self.attn)
+            self.attn.scatter_(2, index, block_attn.transpose(1, 2))
         self.length = self.length + added
 
     def store_one(self, outputs, output_scores, block_attn, length):
