@@ -211,8 +211,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
                 x += self.positions_for(cache, longest + 1)[positions]
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
-        if self.dropout_module.training or self.dropout_module.apply_during_inference:
-            x = self.dropout_module(x)
+        dropout = self.dropout_module
+        if dropout.training or dropout.apply_during_inference:
+            x = dropout(x)
         if n > 1 and self_attn_mask is None:
             self_attn_mask = self.buffered_future_mask(x.transpose(0, 1))
         enc = encoder_out["encoder_out"][0] if encoder_out["encoder_out"] else None

@@ -338,11 +338,12 @@ class BlockwiseGenerator(nn.Module):
         least step and at least the greatest, which skip the length constraints where they
         cannot bite without asking the device.
         """
-        decoder = self.model.decoder
+        model = self.model  # a submodule: each read is nn.Module's attribute search
+        decoder = model.decoder
         logits = decoder.project(decoder.heads.head1_features(features))
         if self.temperature != 1.0:
             logits.div_(self.temperature)
-        lprobs = self.model.get_normalized_probs((logits, None), log_probs=True)
+        lprobs = model.get_normalized_probs((logits, None), log_probs=True)
         # fairseq turns NaN log-probs into -inf. A finite sum (one vectorised reduction) says
         # there are none, far cheaper than the fix, which then runs only where one may be.
         if not math.isfinite(lprobs.sum().item()):
