@@ -5,10 +5,12 @@ import time
 from collections import defaultdict
 
 import numpy as np
+import torch
 
 from .errors import BlockwiseRequestError
+from .generator import BlockwiseStats
 from .options import BlockwiseOptions
-from .widths import WidthTable, fingerprint, machine
+from .widths import TableWidth, WidthTable, fingerprint, machine
 
 
 class TimedWidths:
@@ -125,15 +127,17 @@ def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, rep
     python -m fairseq_bpd.speedup's widths step).
 
     Every width decodes every batch on its own; the widths take turns batch by batch, and
-    the rounds repeat, so that load on a shared machine falls on all of them alike.
+    the rounds repeat, so that load on a shared machine falls on all of them alike. Then,
+    on a CPU of more than one torch thread, the table's own widths decode every batch at
+    one thread and at torch's, in turn: the faster count is the table's at that batch size.
     """
     from . import bench  # the benchmark harness (sacrebleu and all), only when calibrating
 
     k = bench.full_width(model)
     generator = BlockwiseOptions(block_size=k).generator(model, task.target_dictionary)
     generator.policy = policy = TimedWidths(k)
-    for batch_size in batch_sizes:
-        samples = bench.batches(task, subset, batch_size, max(sentences, batch_size), device)
+    batches = {b: bench.batches(task, subset, b, max(sentences, b), device) for b in batch_sizes}
+    for batch_size, samples in batches.items():
         for turn in range(repeats + 1):  # turn 0 warms every width up: the first decode of a shape allocates
             policy.timed = turn > 0
             for index, sample in enumerate(samples[:1] if turn == 0 else samples):
@@ -141,7 +145,38 @@ def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, rep
                     hypos, seconds = bench.decode(generator, model, [sample])
                     policy.ran(batch_size, index, sum(len(h["tokens"]) for h in hypos.values()), seconds)
         print(f"batch {batch_size}: {len(samples)} batches x {k} widths x {repeats} rounds timed", flush=True)
-    return policy.table(machine(device), fingerprint(model))
+    table = policy.table(machine(device), fingerprint(model))
+    if device.type == "cpu" and torch.get_num_threads() > 1:
+        generator.policy = TableWidth(table, BlockwiseStats())
+        table.threads = fastest_threads(generator, model, batches, repeats)
+    return table
+
+
+def fastest_threads(generator, model, batches, repeats):
+    """{batch size: 1 or torch's threads, whichever decoded `batches` of that size faster}
+    under `generator`, the two taking turns batch by batch (each batch's median round);
+    torch's threads restored after."""
+    from . import bench
+
+    most, fastest = torch.get_num_threads(), {}
+    try:
+        for batch_size, samples in batches.items():
+            seconds = {count: defaultdict(list) for count in (1, most)}
+            for turn in range(repeats + 1):  # turn 0 warms each count up
+                for index, sample in enumerate(samples[:1] if turn == 0 else samples):
+                    for count in (1, most) if (index + turn) % 2 else (most, 1):
+                        torch.set_num_threads(count)
+                        _, elapsed = bench.decode(generator, model, [sample])
+                        if turn:
+                            seconds[count][index].append(elapsed)
+            total = {count: sum(float(np.median(rounds)) for rounds in by_batch.values())
+                     for count, by_batch in seconds.items()}
+            fastest[batch_size] = min(total, key=lambda count: (total[count], -count))  # a tie keeps torch's
+            print(f"batch {batch_size}: " + ", ".join(f"{count} threads {total[count]:.2f} s" for count in total),
+                  flush=True)
+    finally:
+        torch.set_num_threads(most)
+    return fastest
 
 
 def widths_in_turn(widest, turn):

@@ -94,6 +94,15 @@ class BlockwiseDecodingConfig(FairseqDataclass):
             "without proposals). Output stays exactly greedy"
         },
     )
+    blockwise_threads: int = field(
+        default=0,
+        metadata={
+            "help": "torch threads while decoding a batch, the caller's restored after (0: under "
+            "--blockwise alone, the count the width table measured fastest at the batch's size, "
+            "never more than torch's threads when decoding starts; else torch's). Output stays "
+            "exactly greedy"
+        },
+    )
     blockwise_proposal_vocab: int = field(
         default=0,
         metadata={
@@ -145,7 +154,8 @@ class BlockwiseOptions:
     by the default width policy where it applies: chooses_width). widths: that policy's
     table, a path ("": this model's on this machine, widths.table_path). tree_rates: the heads'
     rates that shape the tree, a heads x ranks table or the path of a JSON file that
-    scripts/tree_rates.py wrote (loaded when the options are built). The other fields
+    scripts/tree_rates.py wrote (loaded when the options are built). threads: torch's
+    threads while decoding a batch (0: widths.batch_threads chooses). The other fields
     are the task's flags without their `blockwise_` prefix, and fairseq's generation
     flags that blockwise decoding honours (normalize_scores is `not --unnormalized`,
     len_penalty --lenpen, unk_penalty --unkpen; max_len 0 is the model's limit).
@@ -160,6 +170,7 @@ class BlockwiseOptions:
     adaptive: bool = flag("blockwise_adaptive")
     tree: int = flag("blockwise_tree")
     widths: str = flag("blockwise_widths")
+    threads: int = flag("blockwise_threads")
     tree_rates: Optional[tuple] = None
     sampling: bool = generation("sampling")
     sampling_topk: int = generation("sampling_topk")
@@ -206,6 +217,7 @@ class BlockwiseOptions:
             adaptive=cfg.blockwise_adaptive,
             tree=cfg.blockwise_tree,
             widths=cfg.blockwise_widths,
+            threads=cfg.blockwise_threads,
             tree_rates=cfg.blockwise_tree_rates or None,
             sampling=given("sampling"),
             sampling_topk=given("sampling_topk"),
@@ -243,12 +255,14 @@ class BlockwiseOptions:
         from .adaptive import AdaptiveBlockwiseGenerator
         from .generator import BlockwiseGenerator
         from .sampling import SpeculativeSampler
-        from .widths import default_policy
+        from .widths import default_policy, with_batch_threads
 
         kind = SpeculativeSampler if self.sampling else AdaptiveBlockwiseGenerator if self.adaptive else BlockwiseGenerator
         generator = kind(model, tgt_dict, self, stats, **hooks)
         if self.chooses_width:
             generator.policy = default_policy(generator, self)
+        if self.chooses_width or self.threads:  # the threads of each batch (widths.batch_threads)
+            generator.generate = with_batch_threads(generator, self.threads)
         return generator
 
 

@@ -95,6 +95,8 @@ def refuse_options(options):
         refuse(f"--temperature must be greater than 0 (got {options.temperature})")
     if options.min_block < 1:
         refuse(f"--blockwise-min-block must be at least 1 (got {options.min_block})")
+    if options.threads < 0:
+        refuse(f"--blockwise-threads must be at least 0 (0: chosen for each batch; got {options.threads})")
     if not 0 <= options.confidence <= 1:
         refuse(f"--blockwise-confidence must be between 0 and 1 (got {options.confidence})")
     refuse_distance(options)

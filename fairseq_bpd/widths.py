@@ -43,7 +43,8 @@ class WidthTable:
     expected: k, tokens a block of each width adds per invocation. seconds: {width:
     {batch size: seconds of one invocation}}. machine, model: what they were measured on
     (machine() and fingerprint()). speeds: {width: {batch size: tokens per second}} of whole
-    decodes of batches of that size at that width ({}: none measured).
+    decodes of batches of that size at that width. threads: {batch size: torch threads} of
+    the fastest whole decodes under this table's widths ({}: none measured).
     """
 
     expected: list
@@ -51,6 +52,7 @@ class WidthTable:
     machine: str = ""
     model: str = ""
     speeds: dict = field(default_factory=dict)
+    threads: dict = field(default_factory=dict)
 
     def costs(self, batch_size):
         """Seconds of an invocation of each width at `batch_size`: k."""
@@ -68,11 +70,21 @@ class WidthTable:
         to `batch_size` (the smallest, below them): a guard on the block costs, which
         leave out what a block's cycle does not hold."""
         allowed = np.ones(len(self.expected), dtype=bool)
-        sizes = sorted(set(self.speeds.get(1, {})).intersection(*(by_size for by_size in self.speeds.values())))
+        sizes = set(self.speeds.get(1, {})).intersection(*(by_size for by_size in self.speeds.values()))
         if sizes:
-            size = max([b for b in sizes if b <= batch_size] or sizes[:1])
+            size = measured_at(sizes, batch_size)
             allowed[1:] = [self.speeds[w][size] > self.speeds[1][size] for w in range(2, len(self.expected) + 1)]
         return allowed
+
+    def threads_at(self, batch_size):
+        """The torch threads of the fastest decodes of a batch of `batch_size` (as allowed()
+        finds its measured size), or None where none were measured."""
+        return self.threads[measured_at(self.threads, batch_size)] if self.threads else None
+
+
+def measured_at(sizes, batch_size):
+    """Of the batch sizes measured, the largest up to `batch_size`, else the smallest."""
+    return max([b for b in sizes if b <= batch_size] or [min(sizes)])
 
 
 def cost_at(points, batch_size):
@@ -94,7 +106,8 @@ def save_table(table, path):
     """Write `table` as JSON to `path` (load_table reads it), making its folder."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     written = {"expected": table.expected, "seconds": by_width_out(table.seconds), "machine": table.machine,
-               "model": table.model, "speeds": by_width_out(table.speeds)}
+               "model": table.model, "speeds": by_width_out(table.speeds),
+               "threads": {str(b): count for b, count in sorted(table.threads.items())}}
     with open(path, "w") as f:
         json.dump(written, f, indent=1)
 
@@ -116,6 +129,7 @@ def load_table(path):
             raw = json.load(f)
         expected = [float(e) for e in raw["expected"]]
         seconds, speeds = by_width_in(raw["seconds"]), by_width_in(raw.get("speeds", {}))
+        threads = {int(b): count for b, count in raw.get("threads", {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise BlockwiseRequestError(f"--blockwise-widths: cannot read a width table from {path} ({error!r})") from None
     if not isinstance(raw["expected"], list) or not expected or sorted(seconds) != list(range(1, len(expected) + 1)) \
@@ -126,7 +140,9 @@ def load_table(path):
     if not all(math.isfinite(v) and v > 0 for v in values) or min(expected) < 1:
         raise BlockwiseRequestError(f"--blockwise-widths: {path} holds a value that is no finite positive "
                                     f"cost or a block of under one token")
-    return WidthTable(expected, seconds, raw.get("machine", ""), raw.get("model", ""), speeds)
+    if not all(isinstance(count, int) and not isinstance(count, bool) and count > 0 for count in threads.values()):
+        raise BlockwiseRequestError(f"--blockwise-widths: {path} holds torch threads that are no positive count")
+    return WidthTable(expected, seconds, raw.get("machine", ""), raw.get("model", ""), speeds, threads)
 
 
 def machine(device):
@@ -226,6 +242,39 @@ def default_policy(generator, options):
         logger.warning(f"--blockwise-widths: {path} was measured for another model: its tokens per block "
                        f"are that model's heads'")
     return TableWidth(table, generator.stats)
+
+
+def batch_threads(asked, policy, batch_size, caller):
+    """The torch threads to decode a batch of `batch_size` with, or None to leave the caller's.
+
+    asked: --blockwise-threads (0: not given); policy: the generator's width policy; caller:
+    torch's threads now. A count asked for wins; else a width table's measured count at
+    that batch size, never more than the caller's (a user's lower setting wins too).
+    """
+    if asked:
+        return asked
+    measured = policy.table.threads_at(batch_size) if isinstance(policy, TableWidth) else None
+    return None if measured is None else min(measured, caller)
+
+
+def with_batch_threads(generator, asked):
+    """`generator`'s generate, each batch decoded under batch_threads' torch threads and the
+    caller's restored after: a function to set as its generate."""
+    generate = generator.generate
+
+    @functools.wraps(generate)
+    def threaded(models, sample, *args, **kwargs):
+        caller = torch.get_num_threads()
+        count = batch_threads(asked, generator.policy, sample["net_input"]["src_tokens"].size(0), caller)
+        if count is None or count == caller:
+            return generate(models, sample, *args, **kwargs)
+        torch.set_num_threads(count)
+        try:
+            return generate(models, sample, *args, **kwargs)
+        finally:
+            torch.set_num_threads(caller)
+
+    return threaded
 
 
 @functools.cache

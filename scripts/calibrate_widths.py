@@ -9,7 +9,10 @@ block at the batch size still decoding, and every whole decode. Writes, per widt
 tokens a block adds per sentence, the lower quartile of a block's seconds by pooled batch
 size and the tokens per second of whole decodes at each batch size, to this model's table
 on this machine (where --blockwise looks: fairseq_bpd/widths.py table_path) and to --out if
-given. Measure again after changing the machine, torch or the plugin: the costs are theirs.
+given. On a CPU of more than one torch thread (--threads), the table's widths then decode
+every batch at one thread and at torch's, in turn, and the faster count is kept by batch
+size: --blockwise alone decodes each batch under it. Measure again after changing the
+machine, torch, its threads or the plugin: the costs are theirs.
 
   .venv/bin/python scripts/calibrate_widths.py --data DATA --path CKPT \\
       [--batch-sizes 1 8 32 128] [--sentences 32] [--repeats 2] [--threads N] [--out FILE] [--if-missing]
@@ -48,6 +51,8 @@ def main():
         print(f"wrote {path}")
     chosen = {b: table.width(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)}
     print("width chosen by batch size: " + " ".join(f"{b}:{w}" for b, w in chosen.items()))
+    if table.threads:
+        print("torch threads by batch size: " + " ".join(f"{b}:{t}" for b, t in table.threads.items()))
 
 
 def check_subset(task, subset, data):

@@ -19,7 +19,9 @@ from fairseq_bpd.generator import BlockwiseStats, FixedWidth
 from fairseq_bpd import widths
 from fairseq_bpd.options import BlockwiseOptions
 from fairseq_bpd.calibration import TimedWidths, nondecreasing, pool_of, pooled
-from fairseq_bpd.widths import TableWidth, WidthTable, cost_at, load_table, save_table, table_path
+from fairseq_bpd.widths import (
+    TableWidth, WidthTable, batch_threads, cost_at, load_table, save_table, table_path,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,11 +143,65 @@ def test_a_width_timed_at_other_batch_sizes_only_is_not_compared_there():
         policy.table(least=1)
 
 
+@pytest.fixture
+def caller_threads():
+    """torch at 2 threads (the tests' own run at 1), restored after the test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(threads)
+
+
+def test_batch_threads_asked_win_else_the_tables_never_above_the_callers():
+    table = hand_made()
+    table.threads = {1: 1, 8: 2}  # one thread measured faster at batch 1, two at 8
+    policy = TableWidth(table, BlockwiseStats())
+    assert [batch_threads(0, policy, b, 2) for b in (1, 4, 8, 64)] == [1, 1, 2, 2]
+    assert [batch_threads(0, policy, b, 1) for b in (1, 8)] == [1, 1]  # the caller's one thread stays
+    assert batch_threads(3, policy, 1, 2) == batch_threads(3, FixedWidth(2), 1, 2) == 3  # asked for
+    assert batch_threads(0, FixedWidth(2), 1, 2) is None  # no table: the caller's
+    table.threads = {}
+    assert batch_threads(0, policy, 1, 2) is None
+
+
+@pytest.mark.parametrize("asked", [0, 3])
+def test_a_batch_decodes_under_its_threads_and_the_callers_come_back(data_dir, tmp_path, caller_threads, asked):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=6)
+    table = hand_made()
+    table.threads = {1: 1, 8: 2}
+    save_table(table, str(tmp_path / "widths.json"))
+    generator = BlockwiseOptions(max_len_b=20, widths=str(tmp_path / "widths.json"), threads=asked).generator(
+        model, task.target_dictionary)
+    seen, width = [], generator.policy.width
+    generator.policy.width = lambda batch_size: seen.append(torch.get_num_threads()) or width(batch_size)
+    for bsz, inside in ((1, asked or 1), (8, asked or 2)):
+        sample = random_sample(task, bsz=bsz, seed=6)
+        assert_same(greedy(model, task, sample, max_len_b=20), generator.generate([model], sample))
+        assert set(seen) == {inside} and torch.get_num_threads() == caller_threads
+        seen.clear()
+    with pytest.raises(BlockwiseRequestError, match="--blockwise-threads must be at least 0"):
+        BlockwiseOptions(threads=-1)
+
+
+def test_calibration_keeps_the_faster_thread_count_by_batch_size(caller_threads, monkeypatch):
+    from fairseq_bpd import bench, calibration
+
+    def decode(generator, model, samples):  # one thread is faster at batch 1, two at 4
+        batch_size, threads = len(samples[0]), torch.get_num_threads()
+        return {}, {(1, 1): 1.0, (1, 2): 1.5, (4, 1): 2.0, (4, 2): 1.2}[batch_size, threads]
+
+    monkeypatch.setattr(bench, "decode", decode)
+    batches = {1: [[0]] * 3, 4: [[0] * 4] * 2}
+    assert calibration.fastest_threads(None, None, batches, repeats=2) == {1: 1, 4: 2}
+    assert torch.get_num_threads() == caller_threads
+
+
 def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
     path = str(tmp_path / "widths.json")
     save_table(hand_made(), path)
     assert load_table(path) == hand_made()
-    with_speeds = WidthTable([1.0, 1.5], {1: {1: 1.0}, 2: {1: 1.5}}, speeds={1: {1: 10.0}, 2: {1: 12.5}})
+    with_speeds = WidthTable([1.0, 1.5], {1: {1: 1.0}, 2: {1: 1.5}}, speeds={1: {1: 10.0}, 2: {1: 12.5}},
+                             threads={1: 1, 8: 2})
     save_table(with_speeds, path)
     assert load_table(path) == with_speeds
     with open(path, "w") as f:
@@ -157,7 +213,8 @@ def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
                 {"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": -1.0}}},
                 {"expected": [1.0, float("inf")], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}},
                 {"expected": [0.5, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}},
-                {"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}, "speeds": {"1": {"1": 0}}}):
+                {"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}, "speeds": {"1": {"1": 0}}},
+                {"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}, "threads": {"1": 1.5}}):
         with open(path, "w") as f:
             json.dump(bad, f)
         with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: "):
