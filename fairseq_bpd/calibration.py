@@ -118,7 +118,7 @@ def nondecreasing(values):
 
 
 # What a calibration decodes by default: the first SENTENCES of the split (or one batch, if
-# larger) at each batch size, every width REPEATS times: about a minute for k=8 on a small CPU.
+# larger) at each batch size, every width REPEATS times: a few minutes for k=8 on a small CPU.
 SENTENCES, REPEATS = 32, 2
 
 
