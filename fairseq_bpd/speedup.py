@@ -136,6 +136,19 @@ def digest(path):
     return h.hexdigest()
 
 
+def read_record(path):
+    """The record in `path` (speedup.json), refused by name when it is not one: nothing in
+    OUT is overwritten, so a damaged record is for the user to move away."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if isinstance(record.get("inputs"), dict) and isinstance(record.get("steps"), dict):
+            return record
+    except (OSError, ValueError, AttributeError):
+        pass
+    refuse(f"{path} is not a speedup record (damaged or another program's): move it away, or give a new OUT")
+
+
 class Run:
     """OUT and its record, speedup.json: the inputs, and each finished step's results."""
 
@@ -144,8 +157,7 @@ class Run:
         if os.path.exists(out) and not os.path.isdir(out):
             refuse(f"OUT {out} is a file, not a directory: give a new or empty directory")
         if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.record = json.load(f)
+            self.record = read_record(self.path)
             differ = [key for key in inputs if self.record["inputs"].get(key) != inputs[key]]
             if differ:
                 refuse(f"OUT {out} holds another run's files (its speedup.json has other {', '.join(differ)}): "

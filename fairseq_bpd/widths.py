@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,9 +134,9 @@ def load_table(path):
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise BlockwiseRequestError(f"--blockwise-widths: cannot read a width table from {path} ({error!r})") from None
     if not isinstance(raw["expected"], list) or not expected or sorted(seconds) != list(range(1, len(expected) + 1)) \
-            or not all(seconds.values()):
+            or not all(seconds.values()) or (speeds and sorted(speeds) != sorted(seconds)):
         raise BlockwiseRequestError(f"--blockwise-widths: {path} holds no list of tokens per block with seconds "
-                                    f"for each of its widths")
+                                    f"for each of its widths (and speeds, if any)")
     values = [*expected, *(v for table in (seconds, speeds) for by_size in table.values() for v in by_size.values())]
     if not all(math.isfinite(v) and v > 0 for v in values) or min(expected) < 1:
         raise BlockwiseRequestError(f"--blockwise-widths: {path} holds a value that is no finite positive "
@@ -161,12 +162,22 @@ def machine(device):
 
 def fingerprint(model):
     """A short hash of the model's parameters (names, shapes, dtype and sums): a table's
-    rates belong to one checkpoint."""
+    rates belong to one checkpoint. Kept per model until a parameter changes (its tensor or
+    version): the hub builds a generator for every translate() call, and hashing every
+    weight each time would cost more than decoding a short sentence."""
+    key = tuple((id(p), p._version) for p in model.parameters())
+    known = FINGERPRINTS.get(model)
+    if known is not None and known[0] == key:
+        return known[1]
     digest = hashlib.sha1()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             digest.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}{float(parameter.double().sum()):.6e}".encode())
-    return digest.hexdigest()[:16]
+    FINGERPRINTS[model] = (key, digest.hexdigest()[:16])
+    return FINGERPRINTS[model][1]
+
+
+FINGERPRINTS = weakref.WeakKeyDictionary()  # model -> (its parameters' identities and versions, fingerprint)
 
 
 @functools.cache
@@ -223,7 +234,7 @@ def default_policy(generator, options):
         if not os.path.exists(path):
             say_once(f"no width table for this model on this machine ({path}): decoding at width 1, "
                      f"greedy's step without proposals; scripts/calibrate_widths.py measures a table "
-                     f"(a minute or two), --block-size N fixes a width")
+                     f"(several minutes), --block-size N fixes a width")
             return FixedWidth(1)
     try:
         table = load_table(path)
@@ -233,8 +244,13 @@ def default_policy(generator, options):
         logger.warning(f"{error}; decoding at width 1 (scripts/calibrate_widths.py measures the table again)")
         return FixedWidth(1)
     if len(table.expected) != generator.block_size:
-        raise BlockwiseRequestError(f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, "
-                                    f"the checkpoint's k is {generator.block_size}")
+        error = f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, the checkpoint's k is " \
+                f"{generator.block_size}"
+        if given:
+            raise BlockwiseRequestError(error)
+        logger.warning(f"this model's cached width table {error.split(': ', 1)[1]}; decoding at width 1 "
+                       f"(scripts/calibrate_widths.py measures the table again)")
+        return FixedWidth(1)
     here = machine(next(generator.model.parameters()).device)
     if given and table.machine != here:
         logger.warning(f"--blockwise-widths: {path} was measured on {table.machine!r}, this is {here!r}")

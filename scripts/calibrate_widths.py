@@ -22,7 +22,7 @@ import os
 
 from fairseq_bpd import bench
 from fairseq_bpd.calibration import REPEATS, SENTENCES, calibrate
-from fairseq_bpd.widths import save_table, table_path
+from fairseq_bpd.widths import load_table, save_table, table_path
 
 
 def main():
@@ -39,10 +39,17 @@ def main():
                          ("--repeats", [args.repeats])):
         if min(values) < 1:
             ap.error(f"{flag} must be at least 1 (got {min(values)})")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be at least 1 (got {args.threads})")
+    if args.out and not writable_file(args.out):
+        ap.error(f"--out {args.out}: not a file that can be written (a folder, or under a file)")
     model, task, device, _ = bench.setup(args)
     check_subset(task, args.subset, args.data)
     if args.if_missing and os.path.exists(table_path(model, device)):
         print(f"this model's width table on this machine: {table_path(model, device)}")
+        if args.out:
+            save_table(load_table(table_path(model, device)), args.out)
+            print(f"wrote {args.out}")
         return
     table = calibrate(model, task, args.subset, sorted(args.batch_sizes), device, args.sentences, args.repeats)
     print("tokens per block by width: " + " ".join(f"{e:.2f}" for e in table.expected))
@@ -53,6 +60,17 @@ def main():
     print("width chosen by batch size: " + " ".join(f"{b}:{w}" for b, w in chosen.items()))
     if table.threads:
         print("torch threads by batch size: " + " ".join(f"{b}:{t}" for b, t in table.threads.items()))
+
+
+def writable_file(path):
+    """Whether `path` is a file or can become one: not a folder, and its nearest existing
+    parent a folder (checked before minutes of measuring, not after)."""
+    if os.path.isdir(path):
+        return False
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent)
 
 
 def check_subset(task, subset, data):

@@ -1,4 +1,5 @@
 """--blockwise alone: each block's width from a measured table (widths.py), greedy's output whatever it picks."""
+import hashlib
 import json
 import os
 import re
@@ -221,6 +222,10 @@ def test_tables_round_trip_and_bad_ones_are_refused(tmp_path):
             load_table(path)
     with pytest.raises(BlockwiseRequestError, match="--blockwise-widths: cannot read"):
         load_table(str(tmp_path / "missing.json"))
+    with open(path, "w") as f:  # speeds of width 1 only: decoding would look width 2 up
+        json.dump({"expected": [1.0, 1.5], "seconds": {"1": {"1": 1.0}, "2": {"1": 1.0}}, "speeds": {"1": {"1": 9.0}}}, f)
+    with pytest.raises(BlockwiseRequestError, match=r"for each of its widths \(and speeds, if any\)"):
+        load_table(path)
 
 
 def test_the_default_applies_to_an_exact_chain_of_no_width_asked():
@@ -306,6 +311,26 @@ def test_the_hub_decodes_at_the_width_asked_not_the_one_trained_with(data_dir, c
     assert isinstance(policy(block_size=2), FixedWidth) and policy(block_size=2).width(1) == 2
 
 
+def test_a_cached_table_of_another_k_decodes_at_width_one(data_dir, cache, caplog):
+    task, model, _ = build(data_dir, "--block-size", "4", seed=3)
+    save_table(hand_made(3), table_path(model))  # in the cache, not named by the user: no refusal
+    with caplog.at_level("WARNING"):
+        assert is_width_one(BlockwiseOptions().generator(model, task.target_dictionary).policy)
+    assert "cached width table" in caplog.text and "the checkpoint's k is 4" in caplog.text
+
+
+def test_the_fingerprint_is_hashed_once_until_a_weight_changes(data_dir, monkeypatch):
+    model = build(data_dir, "--block-size", "4", seed=3)[1]
+    first = widths.fingerprint(model)
+    hashed = []
+    sha1 = hashlib.sha1
+    monkeypatch.setattr(hashlib, "sha1", lambda *a: hashed.append(1) or sha1(*a))
+    assert widths.fingerprint(model) == first and not hashed  # the hub asks on every translate()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert widths.fingerprint(model) != first and hashed == [1]
+
+
 def python(script, *args, env, fails=False):
     process = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *map(str, args)],
                              capture_output=True, text=True, env=env, timeout=300)
@@ -322,6 +347,12 @@ def test_calibrating_on_a_split_the_data_lacks_is_refused_by_name(tmp_path_facto
     assert last.startswith(f"error: --subset nosuch: {tiny.data} holds no such split (it holds: test, ") \
         and last.endswith(", train, valid)"), out[-2000:]
     assert not os.path.exists(tmp_path / "cache")
+    # Refused before the model loads, not after minutes of measuring.
+    for flags, said in ((["--out", tmp_path], f"--out {tmp_path}: not a file that can be written"),
+                        (["--threads", -1], "--threads must be at least 1 (got -1)")):
+        out = python("calibrate_widths.py", "--data", tiny.data, "--path", tiny.checkpoint, *flags, "--cpu",
+                     env=env, fails=True)
+        assert said in out.strip().splitlines()[-1], out[-2000:]
 
 
 def generate(tiny, *args, env, fails=False):
@@ -348,6 +379,9 @@ def test_calibrate_then_generate_with_blockwise_alone(tmp_path_factory, tmp_path
     [written] = os.listdir(tmp_path / "cache")
     table = load_table(str(tmp_path / "cache" / written))
     assert table == load_table(str(tmp_path / "copy.json")) and len(table.expected) == 3
+    python("calibrate_widths.py", "--data", tiny.data, "--path", tiny.checkpoint, "--if-missing", "--cpu",
+           "--out", tmp_path / "kept.json", env=env)  # measures nothing, but writes the copy asked for
+    assert load_table(str(tmp_path / "kept.json")) == table
     assert table.expected[0] == 1.0 and table.expected[2] >= table.expected[1] > 1.0, out  # trained heads pass
     greedy_run = generate(tiny, "--beam", 1, "--batch-size", 8, env=env)
     default = generate(tiny, "--blockwise", "--batch-size", 8, env=env)

@@ -184,6 +184,13 @@ def test_an_output_directory_with_another_runs_files_is_refused_and_left_alone(m
                          (notes / "out", f"OUT {notes / 'out'}: cannot make the directory (Not a directory)")):
         assert refused(made["base"], made["data"], made["raw"] / "train.de", out) == f"error: {message}"
     assert notes.read_text() == "someone's\n"
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "speedup.json").write_text("{")
+    assert refused(made["base"], made["data"], made["raw"] / "train.de", damaged) == (
+        f"error: {damaged / 'speedup.json'} is not a speedup record (damaged or another program's): move it "
+        "away, or give a new OUT")
+    assert (damaged / "speedup.json").read_text() == "{"
     message = refused(made["base"], made["data"], made["raw"] / "valid.de", made["out"], "--updates", UPDATES,
                       "--proposal-heads", 3, "--num-workers", 0)
     assert message.startswith(f"error: OUT {made['out']} holds another run's files (its speedup.json has other "
