@@ -18,6 +18,7 @@ import subprocess
 import time
 
 import sacrebleu
+import numpy as np
 import torch
 from fairseq import checkpoint_utils, utils
 from fairseq.data import encoders
@@ -57,11 +58,15 @@ def commit():
     return head.stdout.strip() + ("-dirty" if git("diff", "--quiet", "HEAD", "--", ".").returncode else "")
 
 
-def batches(task, subset, batch_size, max_sentences=None, device=torch.device("cpu")):
-    """The first max_sentences of `subset` in dataset order, as batches on `device`."""
+def batches(task, subset, batch_size, max_sentences=None, device=torch.device("cpu"), spread=False):
+    """The first max_sentences of `subset` in dataset order, as batches on `device`; spread:
+    max_sentences evenly spaced over the whole split instead (a split's first sentences are
+    one book's opening, whose heads' acceptance is not the split's)."""
     task.load_dataset(subset)
     dataset = task.dataset(subset)
     ids = list(range(len(dataset)))[:max_sentences]
+    if spread and max_sentences and max_sentences < len(dataset):
+        ids = np.linspace(0, len(dataset) - 1, max_sentences).round().astype(int).tolist()
     samples = (dataset.collater([dataset[i] for i in ids[s : s + batch_size]]) for s in range(0, len(ids), batch_size))
     return [utils.move_to_cuda(sample, device) if device.type == "cuda" else sample for sample in samples]
 

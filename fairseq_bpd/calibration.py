@@ -10,7 +10,7 @@ import torch
 from .errors import BlockwiseRequestError
 from .generator import BlockwiseStats
 from .options import BlockwiseOptions
-from .widths import TableWidth, WidthTable, fingerprint, machine
+from .widths import MARGIN, TableWidth, WidthTable, fingerprint, machine
 
 
 class TimedWidths:
@@ -117,9 +117,9 @@ def nondecreasing(values):
     return [mean for mean, count in blocks for _ in range(count)]
 
 
-# What a calibration decodes by default: the first SENTENCES of the split (or one batch, if
+# What a calibration decodes by default: SENTENCES spread over the split (or one batch, if
 # larger) at each batch size, every width REPEATS times: a few minutes for k=8 on a small CPU.
-SENTENCES, REPEATS = 32, 2
+SENTENCES, REPEATS = 48, 2
 
 
 def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, repeats=REPEATS):
@@ -136,7 +136,7 @@ def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, rep
     k = bench.full_width(model)
     generator = BlockwiseOptions(block_size=k).generator(model, task.target_dictionary)
     generator.policy = policy = TimedWidths(k)
-    batches = {b: bench.batches(task, subset, b, max(sentences, b), device) for b in batch_sizes}
+    batches = {b: bench.batches(task, subset, b, max(sentences, b), device, spread=True) for b in batch_sizes}
     for batch_size, samples in batches.items():
         for turn in range(repeats + 1):  # turn 0 warms every width up: the first decode of a shape allocates
             policy.timed = turn > 0
@@ -153,7 +153,8 @@ def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, rep
 
 
 def fastest_threads(generator, model, batches, repeats):
-    """{batch size: 1 or torch's threads, whichever decoded `batches` of that size faster}
+    """{batch size: 1 where one thread decoded `batches` of that size faster than torch's threads
+    by MARGIN, else torch's}
     under `generator`, the two taking turns batch by batch (each batch's median round);
     torch's threads restored after."""
     from . import bench
@@ -171,7 +172,7 @@ def fastest_threads(generator, model, batches, repeats):
                             seconds[count][index].append(elapsed)
             total = {count: sum(float(np.median(rounds)) for rounds in by_batch.values())
                      for count, by_batch in seconds.items()}
-            fastest[batch_size] = min(total, key=lambda count: (total[count], -count))  # a tie keeps torch's
+            fastest[batch_size] = 1 if total[1] * MARGIN < total[most] else most  # a near-tie keeps torch's
             print(f"batch {batch_size}: " + ", ".join(f"{count} threads {total[count]:.2f} s" for count in total),
                   flush=True)
     finally:

@@ -15,7 +15,7 @@ size: --blockwise alone decodes each batch under it. Measure again after changin
 machine, torch, its threads or the plugin: the costs are theirs.
 
   .venv/bin/python scripts/calibrate_widths.py --data DATA --path CKPT \\
-      [--batch-sizes 1 8 32 128] [--sentences 32] [--repeats 2] [--threads N] [--out FILE] [--if-missing]
+      [--batch-sizes 1 8 32 128] [--sentences 48] [--repeats 2] [--threads N] [--out FILE] [--if-missing]
 """
 import argparse
 import os
@@ -29,7 +29,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_data_args(ap, subset="valid")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
-    ap.add_argument("--sentences", type=int, default=SENTENCES, help="the first N of --subset (at least a batch)")
+    ap.add_argument("--sentences", type=int, default=SENTENCES, help="N sentences spread over --subset (at least a batch)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="rounds over each batch size's batches")
     ap.add_argument("--out", help="also write the table here (e.g. beside the checkpoint)")
     ap.add_argument("--if-missing", action="store_true", help="measure only if this model has no table here yet")
