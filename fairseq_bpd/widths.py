@@ -168,12 +168,17 @@ def machine(device):
 
 def fingerprint(model):
     """A short hash of the model's parameters (names, shapes, dtype and sums): a table's
-    rates belong to one checkpoint. Kept per model until a parameter changes (its tensor or
-    version): the hub builds a generator for every translate() call, and hashing every
-    weight each time would cost more than decoding a short sentence."""
-    key = tuple((id(p), p._version) for p in model.parameters())
+    rates belong to one checkpoint. Kept per model until a parameter changes (its tensor,
+    storage, dtype, device or version: half(), to(), load_state_dict and optimizer steps all
+    change one; writing through `.data` in place changes none): the hub builds a generator
+    for every translate() call, and hashing every weight each time would cost more than
+    decoding a short sentence."""
+    parameters = list(model.parameters())
+    # Inference tensors keep no version: such a model is hashed every time.
+    key = None if any(p.is_inference() for p in parameters) else \
+        tuple((id(p), p.data_ptr(), p.dtype, p.device, p._version) for p in parameters)
     known = FINGERPRINTS.get(model)
-    if known is not None and known[0] == key:
+    if key is not None and known is not None and known[0] == key:
         return known[1]
     digest = hashlib.sha1()
     with torch.no_grad():
@@ -247,14 +252,14 @@ def default_policy(generator, options):
     except BlockwiseRequestError as error:
         if given:
             raise
-        logger.warning(f"{error}; decoding at width 1 (scripts/calibrate_widths.py measures the table again)")
+        warn_once(f"{error}; decoding at width 1 (scripts/calibrate_widths.py measures the table again)")
         return FixedWidth(1)
     if len(table.expected) != generator.block_size:
         error = f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, the checkpoint's k is " \
                 f"{generator.block_size}"
         if given:
             raise BlockwiseRequestError(error)
-        logger.warning(f"this model's cached width table {error.split(': ', 1)[1]}; decoding at width 1 "
+        warn_once(f"this model's cached width table {error.split(': ', 1)[1]}; decoding at width 1 "
                        f"(scripts/calibrate_widths.py measures the table again)")
         return FixedWidth(1)
     here = machine(next(generator.model.parameters()).device)
@@ -297,6 +302,12 @@ def with_batch_threads(generator, asked):
             torch.set_num_threads(caller)
 
     return threaded
+
+
+@functools.cache
+def warn_once(message):
+    """Warn of `message` the first time only: the hub builds a generator every translate()."""
+    logger.warning(message)
 
 
 @functools.cache

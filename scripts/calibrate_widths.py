@@ -22,6 +22,7 @@ import os
 
 from fairseq_bpd import bench
 from fairseq_bpd.calibration import REPEATS, SENTENCES, calibrate
+from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.widths import load_table, save_table, table_path
 
 
@@ -45,10 +46,11 @@ def main():
         ap.error(f"--out {args.out}: not a file that can be written (a folder, or under a file)")
     model, task, device, _ = bench.setup(args)
     check_subset(task, args.subset, args.data)
-    if args.if_missing and os.path.exists(table_path(model, device)):
+    cached = cached_table(model, device) if args.if_missing else None
+    if cached is not None:
         print(f"this model's width table on this machine: {table_path(model, device)}")
         if args.out:
-            save_table(load_table(table_path(model, device)), args.out)
+            save_table(cached, args.out)
             print(f"wrote {args.out}")
         return
     table = calibrate(model, task, args.subset, sorted(args.batch_sizes), device, args.sentences, args.repeats)
@@ -62,10 +64,24 @@ def main():
         print("torch threads by batch size: " + " ".join(f"{b}:{t}" for b, t in table.threads.items()))
 
 
+def cached_table(model, device):
+    """This model's table in the cache, or None where there is none or it is broken or of
+    another k (--if-missing then measures it again, as decoding's warning says)."""
+    path = table_path(model, device)
+    if not os.path.exists(path):
+        return None
+    try:
+        table = load_table(path)
+    except BlockwiseRequestError as error:
+        print(f"{error}: measuring it again")
+        return None
+    return table if len(table.expected) == bench.full_width(model) else None
+
+
 def writable_file(path):
     """Whether `path` is a file or can become one: not a folder, and its nearest existing
     parent a folder (checked before minutes of measuring, not after)."""
-    if os.path.isdir(path):
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):  # a trailing slash names a folder
         return False
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):

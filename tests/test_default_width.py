@@ -332,6 +332,13 @@ def test_the_fingerprint_is_hashed_once_until_a_weight_changes(data_dir, monkeyp
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     assert widths.fingerprint(model) != first and hashed == [1]
+    changed = widths.fingerprint(model)
+    # The parameters' .data replaced: same tensors, same versions, another dtype.
+    model.float() if next(model.parameters()).dtype == torch.float64 else model.double()
+    assert widths.fingerprint(model) != changed and hashed == [1, 1]
+    with torch.inference_mode():  # inference tensors keep no version: hashed each time, no error
+        frozen = build(data_dir, "--block-size", "4", seed=3)[1]
+        assert widths.fingerprint(frozen) == widths.fingerprint(frozen) and len(hashed) == 4
 
 
 def python(script, *args, env, fails=False):
@@ -352,6 +359,7 @@ def test_calibrating_on_a_split_the_data_lacks_is_refused_by_name(tmp_path_facto
     assert not os.path.exists(tmp_path / "cache")
     # Refused before the model loads, not after minutes of measuring.
     for flags, said in ((["--out", tmp_path], f"--out {tmp_path}: not a file that can be written"),
+                        (["--out", f"{tmp_path}/new/"], f"--out {tmp_path}/new/: not a file that can be written"),
                         (["--threads", -1], "--threads must be at least 1 (got -1)")):
         out = python("calibrate_widths.py", "--data", tiny.data, "--path", tiny.checkpoint, *flags, "--cpu",
                      env=env, fails=True)
