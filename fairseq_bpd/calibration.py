@@ -129,7 +129,8 @@ def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, rep
     Every width decodes every batch on its own; the widths take turns batch by batch, and
     the rounds repeat, so that load on a shared machine falls on all of them alike. Then,
     on a CPU of more than one torch thread, the table's own widths decode every batch at
-    one thread and at torch's, in turn: the faster count is the table's at that batch size.
+    one thread and at torch's, in turn: one thread is the table's at a batch size where it
+    was faster by MARGIN.
     """
     from . import bench  # the benchmark harness (sacrebleu and all), only when calibrating
 
@@ -153,10 +154,9 @@ def calibrate(model, task, subset, batch_sizes, device, sentences=SENTENCES, rep
 
 
 def fastest_threads(generator, model, batches, repeats):
-    """{batch size: 1 where one thread decoded `batches` of that size faster than torch's threads
-    by MARGIN, else torch's}
-    under `generator`, the two taking turns batch by batch (each batch's median round);
-    torch's threads restored after."""
+    """{batch size: 1 where one thread decoded `batches` of that size under `generator` faster
+    than torch's threads by MARGIN, else torch's}, the two taking turns batch by batch (each
+    batch's median round); torch's threads restored after."""
     from . import bench
 
     most, fastest = torch.get_num_threads(), {}

@@ -249,18 +249,15 @@ def default_policy(generator, options):
             return FixedWidth(1)
     try:
         table = load_table(path)
+        if len(table.expected) != generator.block_size:
+            raise BlockwiseRequestError(f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, "
+                                        f"the checkpoint's k is {generator.block_size}")
     except BlockwiseRequestError as error:
         if given:
             raise
-        warn_once(f"{error}; decoding at width 1 (scripts/calibrate_widths.py measures the table again)")
-        return FixedWidth(1)
-    if len(table.expected) != generator.block_size:
-        error = f"--blockwise-widths: {path} holds widths 1..{len(table.expected)}, the checkpoint's k is " \
-                f"{generator.block_size}"
-        if given:
-            raise BlockwiseRequestError(error)
-        warn_once(f"this model's cached width table {error.split(': ', 1)[1]}; decoding at width 1 "
-                       f"(scripts/calibrate_widths.py measures the table again)")
+        # A table in the cache, not named by the user: say so without the flag's name.
+        warn_once(f"this model's cached width table: {str(error).split(': ', 1)[1]}; decoding at width 1 "
+                  f"(scripts/calibrate_widths.py measures the table again)")
         return FixedWidth(1)
     here = machine(next(generator.model.parameters()).device)
     if given and table.machine != here:
