@@ -58,16 +58,37 @@ def greedy_choice(scores, ranks):
     on the CPU, about twice as slow over a wide block or batch. A tie at the top, or a row all -inf or NaN, anywhere in the block falls
     back to topk, whose choice among ties is fairseq's.
     """
-    V = scores.size(-1)
-    exact = V < 2 ** 24 and scores.dtype in (torch.float32, torch.float64)  # indices exact as floats
-    if ranks == 1 and scores.numel() >= CHOICE_BY_MAXIMUM * V and exact:
-        best = scores.amax(dim=-1, keepdim=True)
-        hits = (scores - best).eq_(0)  # 1 at each maximum (-inf - -inf is NaN: none)
-        if bool((hits.sum(dim=-1) == 1).all()):
-            first = V - hits.mul_(descending(V, hits)).amax(dim=-1, keepdim=True)  # the maximum's index
-            return best, first.long()
+    if ranks == 1:
+        found = unique_maximum(scores, keepdim=True)
+        if found is not None:
+            return found
     values, tokens = torch.topk(scores, k=max(2, ranks), dim=-1)
     return values[..., :ranks], tokens[..., :ranks]
+
+
+def best_choice(scores):
+    """greedy_choice(scores, 1) without its last dimension: values and tokens, ... (one
+    operation fewer per result than selecting them out of it)."""
+    found = unique_maximum(scores, keepdim=False)
+    if found is not None:
+        return found
+    values, tokens = torch.topk(scores, k=2, dim=-1)
+    return values[..., 0], tokens[..., 0]
+
+
+def unique_maximum(scores, keepdim):
+    """Each row's maximum and its index (... x 1 with keepdim, else ...), by reductions, where
+    there are CHOICE_BY_MAXIMUM rows or more and every row's maximum is its only one; else None."""
+    V = scores.size(-1)
+    exact = V < 2 ** 24 and scores.dtype in (torch.float32, torch.float64)  # indices exact as floats
+    if scores.numel() < CHOICE_BY_MAXIMUM * V or not exact:
+        return None
+    best = scores.amax(dim=-1, keepdim=True)
+    hits = (scores - best).eq_(0)  # 1 at each maximum (-inf - -inf is NaN: none)
+    if not bool((hits.sum(dim=-1) == 1).all()):
+        return None
+    first = V - hits.mul_(descending(V, hits)).amax(dim=-1, keepdim=keepdim)  # the maximum's index
+    return (best if keepdim else best[..., 0]), first.long()
 
 
 _DESCENDING = {}
@@ -84,14 +105,14 @@ def descending(V, like):
 def running_scores(score, proposal_lprobs, tree):
     """The running score before each node's output: b x n, from score b and each
     candidate's log-prob after its parent, proposal_lprobs b x n-1."""
+    if tree.is_chain:  # node j follows node j-1: the same sums, column by column
+        columns = [score]
+        for lprob in proposal_lprobs.unbind(1):
+            columns.append(columns[-1] + lprob)
+        return torch.stack(columns, dim=1)
     running = proposal_lprobs.new_empty(score.size(0), proposal_lprobs.size(1) + 1,
                                         dtype=torch.promote_types(score.dtype, proposal_lprobs.dtype))
     running[:, 0] = score
-    if tree.is_chain:  # node j follows node j-1: the same sums, one add each into a column view
-        columns, lprobs = running.unbind(1), proposal_lprobs.unbind(1)
-        for j in range(1, running.size(1)):
-            torch.add(columns[j - 1], lprobs[j - 1], out=columns[j])
-        return running
     for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
         running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
     return running
@@ -157,17 +178,21 @@ def accepted(passes, limit, tree):
     """The deepest node each sentence accepts, from which proposals pass: node b (0: none) and
     the outputs kept b (its depth + 1, head 1's choice after it included).
 
-    passes: b x n-1; limit: b, the most outputs each sentence may add. A node is accepted
+    passes: b x n-1; limit: b, the most outputs each sentence may add (None: no limit
+    within the block). A node is accepted
     when it and all its ancestors pass and its outputs fit in `limit`; the deepest wins,
     the first in node order on a tie (possible only when a rule passes more than greedy's
     own choice: top-k, min-block, distance).
     """
     if tree.is_chain:  # node j is at depth j: the longest passing run, within the limit
-        kept = torch.minimum(1 + passes.long().cumprod(dim=1).sum(dim=1), limit)
+        kept = 1 + passes.long().cumprod(dim=1).sum(dim=1)
+        kept = kept if limit is None else torch.minimum(kept, limit)
         return kept - 1, kept
     # A node is reached when no node on its path (tree.ancestors) fails: b x n.
     fails = torch.cat([passes.new_zeros(passes.size(0), 1), ~passes], dim=1)
-    reached = ~(fails[:, None, :] & tree.ancestors).any(dim=2) & (tree.depth < limit[:, None])
+    reached = ~(fails[:, None, :] & tree.ancestors).any(dim=2)
+    if limit is not None:
+        reached &= tree.depth < limit[:, None]
     n = tree.size
     order = tree.depth * n - torch.arange(n, device=passes.device)  # deeper first, then earlier
     node = torch.where(reached, order, -n).argmax(dim=1)
@@ -223,6 +248,33 @@ def confident_width(best, log_confidence):
     """
     confident = best.cumsum(dim=1) >= log_confidence  # a prefix: the sums only fall
     return int(confident.sum(dim=1).max())
+
+
+def exact_chain(lprobs, block, score, limit, eos):
+    """verify, accept and commit fused, for greedy's own rule (TopK(1)) on a chain.
+
+    lprobs: b x n x V, block: b x n, score: b, as verify takes them; limit: b, or None
+    where no sentence can reach its maximum length within the block. On the accepted
+    prefix each proposal is head 1's choice after the token before it, and its running
+    score is that choice's value: both are the float sum running + lprob of the same
+    two numbers, in fairseq's order. The outputs are then head 1's choices after every
+    block token and their scores those choices' values, with nothing to concatenate or
+    scatter (what lies after `kept` is never read). Returns kept b and commit's outputs
+    b x n, output_scores b x n, added b and finished b.
+    """
+    proposals = block[:, 1:]  # b x n-1
+    # b x 1 columns, stacked b x n x 1: the running score before each node, broadcast over V.
+    columns = [score[:, None]]
+    for lprob in lprobs.gather(2, proposals[..., None]).unbind(1):  # each proposal's log-prob after its parent
+        columns.append(columns[-1] + lprob)
+    values, candidates = best_choice(lprobs + torch.stack(columns, dim=1))  # b x n each
+    passes = (candidates[:, :-1] == proposals) & (values[:, :-1] > -math.inf)  # b x n-1: TopK(1)
+    kept = passes.cumprod(dim=1).sum(dim=1) + 1
+    if limit is not None:
+        kept = torch.minimum(kept, limit)
+    before_eos = (candidates != eos).cumprod(dim=1).sum(dim=1)  # b: outputs before the first EOS
+    added = torch.minimum(kept, before_eos + 1)
+    return kept, candidates, values, added, before_eos < kept
 
 
 def greedy_step(lprobs, score, eos):

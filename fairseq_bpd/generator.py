@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
-from .acceptance import accepted, along, commit, confident_width, greedy_step, rule_for, verify
+from .acceptance import TopK, accepted, along, commit, confident_width, exact_chain, greedy_step, rule_for, verify
 from .options import BlockwiseOptions
 from .refusals import refuse_for_model, refuse_prefix
 from .tree import Tree, default_rates
@@ -100,19 +100,23 @@ class Batch:
             self.attn.scatter_(2, index, block_attn.transpose(1, 2))
         self.length = self.length + added
 
-    def store_one(self, outputs, output_scores, block_attn, length):
-        """store() for a block of one, every sentence at `length` outputs (an int): one output
-        each, written at one column (narrow copies, no per-row index)."""
-        self.tokens.narrow(1, length + 1, 1).copy_(outputs)
-        self.scores.narrow(1, length, 1).copy_(output_scores)
-        self.score = output_scores[:, 0]
+    def store_one(self, outputs, output_scores, block_attn, length, added=1):
+        """store() where one count holds for every sentence: each at `length` outputs adds
+        `added` (host ints), written at the same columns (narrow copies, no per-row index).
+        The columns after them are never written here, so they keep their padding."""
+        if added < outputs.size(1):
+            outputs, output_scores = outputs[:, :added], output_scores[:, :added]
+            block_attn = block_attn[:, :added] if block_attn is not None else None
+        self.tokens.narrow(1, length + 1, added).copy_(outputs)
+        self.scores.narrow(1, length, added).copy_(output_scores)
+        self.score = output_scores[:, added - 1]
         if self.score.dtype != self.scores.dtype:
             self.score = self.score.to(self.scores)
         if block_attn is not None:
             if self.attn is None:
                 self.attn = self.scores.new_zeros(*block_attn.shape[::2], self.scores.size(1))
-            self.attn.narrow(2, length + 1, 1).copy_(block_attn.transpose(1, 2))
-        self.length = self.length + 1
+            self.attn.narrow(2, length + 1, added).copy_(block_attn.transpose(1, 2))
+        self.length = self.length + added
 
 
 class BlockwiseGenerator(nn.Module):
@@ -189,7 +193,7 @@ class BlockwiseGenerator(nn.Module):
         max_len = self.max_length(src_tokens, src_lengths)
         encoder_out = model.encoder.forward_torchscript(net_input)
         batch = self.start(src_tokens, max_len, bos_token)
-        layout = self.layout.to(src_tokens.device)
+        layout = self.layout if self.layout.depth.device == src_tokens.device else self.layout.to(src_tokens.device)
         proposals = src_tokens.new_empty(batch.length.size(0), 0, layout.topn)  # b x heads x ranks
         token = batch.tokens[:, :1]  # b x 1: the last committed token (BOS)
         incremental_state = {}
@@ -229,38 +233,42 @@ class BlockwiseGenerator(nn.Module):
                                        src_lengths[batch.sentence] if self.match_source_len else None, bounds)
 
             # 2.-4. Verify the candidates with head 1, accept the deepest passing path, commit it.
-            limit = max_len + 1 - batch.length  # no output past step max_len
+            # No limit where no sentence can reach max_len within the block (and nothing reads it).
+            limit = (max_len + 1 - batch.length if bounds[1] >= max_len or getattr(self.policy, "observes", True)
+                     else None)
             node, kept, outputs, output_scores, added, finished = self.verify_block(
                 lprobs, block, batch.score, limit, tree
             )
+            self.policy.observe(n, kept, added, limit)
+            ended, count = self.take_stock(n, invocations, kept, added, finished, tree.is_chain and length is not None)
             # b x D+1: the accepted path's nodes, then padding (a block of one: its root for all)
             path = tree.paths.expand(node.size(0), -1) if n == 1 else tree.paths[node]
-            self.policy.observe(n, kept, added, limit)
-            if n == 1:  # every sentence added one: no need to ask
-                if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
-                    self.stats.accepted[1] += added.size(0)
-            elif invocations > 1:
-                self.stats.accepted.update(added.tolist())
             if block_attn is not None and not tree.is_chain:  # a chain's path is the block itself
                 block_attn = along(path, block_attn)[0]
-            if n == 1 and length is not None:  # one output each, all at the same column
-                batch.store_one(outputs, output_scores, block_attn, length)
+            if count is not None:  # every sentence at `length` added `count`: the same columns
+                batch.store_one(outputs, output_scores, block_attn, length, count)
             else:
                 batch.store(outputs, output_scores, added, block_attn, self.pad)
 
             # 5. Crop all but the accepted path out of the cache (and out of the proposer's state).
             batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
             self.proposer.keep(path, kept, features, block)
-            last = features[:, 0] if n == 1 else along(node[:, None], features)[0][:, 0]  # b x C
-            # b x 1: head 1's choice after `last` (a block of one's only output; else read below)
-            token = outputs if n == 1 else None
+            # b x C, b x 1: the decoder output at the last accepted node, and head 1's choice after it
+            if n == 1:
+                last, token = features[:, 0], outputs
+            elif count is not None:
+                last, token = features[:, count - 1], outputs[:, count - 1 : count]
+            else:  # read below, once the batch holds only the sentences that go on
+                last, token = along(node[:, None], features)[0][:, 0], None
 
             # 6. Finished sentences leave the batch.
-            if finished.any():
-                self.retire(batch, finished, finalized, src_lengths, invocations)
-                active = (~finished).nonzero()[:, 0]
-                if active.numel() == 0:
+            if ended is None:  # a block of one: asked here
+                ended = finished.nonzero()[:, 0].tolist() if finished.any() else []
+            if ended:
+                self.retire(batch, ended, finalized, src_lengths, invocations)
+                if len(ended) == finished.size(0):
                     return finalized
+                active = (~finished).nonzero()[:, 0]
                 batch.select(active)
                 last = last[active]
                 token = token[active] if token is not None else None
@@ -273,16 +281,38 @@ class BlockwiseGenerator(nn.Module):
                 token = batch.tokens.gather(1, batch.length[:, None])
             proposals = self.next_proposals(last, token[:, 0], encoder_out, batch)
 
+    def take_stock(self, n, invocations, kept, added, finished, known_length):
+        """Count a block of `n` in the stats, and read what the loop decides on: the rows that
+        finished (a host list, or None where the loop asks itself: a block of one, whose
+        count needs no read) and, where every sentence kept as many (known_length: a chain
+        whose sentences are all as long) and none finished, that count (an int, else None).
+
+        A wider block is read once: kept, added and finished b together.
+        """
+        if n == 1:  # every sentence added one: no need to ask
+            if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
+                self.stats.accepted[1] += added.size(0)
+            return None, 1 if known_length else None
+        kept, added, finished = torch.stack([kept, added, finished]).tolist()
+        if invocations > 1:
+            self.stats.accepted.update(added)
+        rows = [row for row, ended in enumerate(finished) if ended]
+        same = known_length and not rows and min(kept) == max(kept)
+        return rows, kept[0] if same else None
+
     def verify_block(self, lprobs, block, score, limit, tree):
         """Steps 2-4 on head 1's lprobs b x n x V over `block` b x n laid out as `tree`.
 
-        score: b, the running score so far; limit: b, the most outputs each sentence may add.
-        Returns the accepted node b, the outputs it keeps b (its depth + 1), then commit's
+        score: b, the running score so far; limit: b, the most outputs each sentence may add
+        (None: no sentence reaches its maximum length within the block). Returns the accepted node b, the outputs it keeps b (its depth + 1), then commit's
         outputs b x D+1, output_scores b x D+1, added b and finished b, along its path.
         """
         if block.size(1) == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
             outputs, output_scores, added, finished = greedy_step(lprobs, score, self.eos)
             return torch.zeros_like(added), added, outputs, output_scores, added, finished
+        if tree.is_chain and type(self.rule) is TopK and self.rule.topk == 1:  # greedy's own rule on a chain
+            kept, *committed = exact_chain(lprobs, block, score, limit, self.eos)
+            return (kept - 1, kept, *committed)
         # 2. Verify the candidates with head 1, 3. accept the deepest path whose proposals pass.
         verdict = verify(lprobs, block, score, self.rule.ranks, tree)
         node, kept = accepted(self.rule.passes(verdict, block, tree), limit, tree)
@@ -314,10 +344,10 @@ class BlockwiseGenerator(nn.Module):
             offsets=torch.arange(1, width + 1, device=device),
         )
 
-    def retire(self, batch, finished, finalized, src_lengths, invocations):
-        """Hypotheses of the sentences that `finished` (b) marks, into `finalized`; each took
-        part in all `invocations` so far."""
-        for row in finished.nonzero()[:, 0].tolist():
+    def retire(self, batch, rows, finalized, src_lengths, invocations):
+        """Hypotheses of the sentences at `rows` (a host list of the batch's rows, those that
+        finished), into `finalized`; each took part in all `invocations` so far."""
+        for row in rows:
             sentence = int(batch.sentence[row])
             finalized[sentence] = [
                 self.hypothesis(batch.tokens[row], batch.scores[row], batch.attn, row, int(batch.length[row]),
@@ -428,8 +458,11 @@ class FixedWidth:
     batch begins; width(batch_size), the next block's width, its first token included;
     observe(width, kept, added, limit) after each block of `width`, where each sentence
     (b) kept `kept` tokens, added `added` of them to its output (fewer where its EOS came
-    first) and could have added `limit`.
+    first) and could have added `limit`; observes, False where observe() reads nothing
+    (the loop then passes limit None where no limit bites; absent: True).
     """
+
+    observes = False
 
     def __init__(self, width):
         self.fixed = width
