@@ -66,29 +66,42 @@ def greedy_choice(scores, ranks):
     return values[..., :ranks], tokens[..., :ranks]
 
 
-def best_choice(scores):
+def best_choice(scores, speculate=False):
     """greedy_choice(scores, 1) without its last dimension: values and tokens, ... (one
-    operation fewer per result than selecting them out of it)."""
-    found = unique_maximum(scores, keepdim=False)
-    if found is not None:
-        return found
+    operation fewer per result than selecting them out of it).
+
+    speculate: ask nothing on the host, and return also doubt, a 0-dim bool tensor: True
+    where they may not be greedy_choice's (a tie at the top by reductions) or a score is
+    NaN (its caller then fixes the NaNs and chooses again).
+    """
+    found = maximum_by_reductions(scores, keepdim=False)
+    if found is not None and (speculate or not bool(found[2])):
+        return found if speculate else found[:2]
     values, tokens = torch.topk(scores, k=2, dim=-1)
-    return values[..., 0], tokens[..., 0]
+    values, tokens = values[..., 0], tokens[..., 0]
+    return (values, tokens, values.isnan().any()) if speculate else (values, tokens)
 
 
 def unique_maximum(scores, keepdim):
     """Each row's maximum and its index (... x 1 with keepdim, else ...), by reductions, where
     there are CHOICE_BY_MAXIMUM rows or more and every row's maximum is its only one; else None."""
+    found = maximum_by_reductions(scores, keepdim)
+    return None if found is None or bool(found[2]) else found[:2]
+
+
+def maximum_by_reductions(scores, keepdim):
+    """Each row's maximum and its index (... x 1 with keepdim, else ...) and a 0-dim bool, True
+    where some row's maximum is not its only one (or is NaN): the index is then no choice.
+    None below CHOICE_BY_MAXIMUM rows, or where indices are not exact in the scores' dtype."""
     V = scores.size(-1)
     exact = V < 2 ** 24 and scores.dtype in (torch.float32, torch.float64)  # indices exact as floats
     if scores.numel() < CHOICE_BY_MAXIMUM * V or not exact:
         return None
     best = scores.amax(dim=-1, keepdim=True)
     hits = (scores - best).eq_(0)  # 1 at each maximum (-inf - -inf is NaN: none)
-    if not bool((hits.sum(dim=-1) == 1).all()):
-        return None
+    doubt = (hits.sum(dim=-1) != 1).any()
     first = V - hits.mul_(descending(V, hits)).amax(dim=-1, keepdim=keepdim)  # the maximum's index
-    return (best if keepdim else best[..., 0]), first.long()
+    return (best if keepdim else best[..., 0]), first.long(), doubt
 
 
 _DESCENDING = {}
@@ -250,7 +263,7 @@ def confident_width(best, log_confidence):
     return int(confident.sum(dim=1).max())
 
 
-def exact_chain(lprobs, block, score, limit, eos):
+def exact_chain(lprobs, block, score, limit, eos, speculate=False):
     """verify, accept and commit fused, for greedy's own rule (TopK(1)) on a chain.
 
     lprobs: b x n x V, block: b x n, score: b, as verify takes them; limit: b, or None
@@ -260,21 +273,22 @@ def exact_chain(lprobs, block, score, limit, eos):
     two numbers, in fairseq's order. The outputs are then head 1's choices after every
     block token and their scores those choices' values, with nothing to concatenate or
     scatter (what lies after `kept` is never read). Returns kept b and commit's outputs
-    b x n, output_scores b x n, added b and finished b.
+    b x n, output_scores b x n, added b and finished b; speculate: also best_choice's doubt
+    (lprobs whose NaNs are not yet fixed: nothing is asked on the host).
     """
     proposals = block[:, 1:]  # b x n-1
     # b x 1 columns, stacked b x n x 1: the running score before each node, broadcast over V.
     columns = [score[:, None]]
     for lprob in lprobs.gather(2, proposals[..., None]).unbind(1):  # each proposal's log-prob after its parent
         columns.append(columns[-1] + lprob)
-    values, candidates = best_choice(lprobs + torch.stack(columns, dim=1))  # b x n each
+    values, candidates, *doubt = best_choice(lprobs + torch.stack(columns, dim=1), speculate)  # b x n each
     passes = (candidates[:, :-1] == proposals) & (values[:, :-1] > -math.inf)  # b x n-1: TopK(1)
     kept = passes.cumprod(dim=1).sum(dim=1) + 1
     if limit is not None:
         kept = torch.minimum(kept, limit)
     before_eos = (candidates != eos).cumprod(dim=1).sum(dim=1)  # b: outputs before the first EOS
     added = torch.minimum(kept, before_eos + 1)
-    return kept, candidates, values, added, before_eos < kept
+    return (kept, candidates, values, added, before_eos < kept, *doubt)
 
 
 def greedy_step(lprobs, score, eos):

@@ -229,18 +229,29 @@ class BlockwiseGenerator(nn.Module):
             features, block_attn = decoder.forward_block(block, positions, encoder_out, incremental_state, tree.mask,
                                                          min(bounds[1], max_len))  # the longest position
             invocations += 1
+            # Greedy's own rule on a chain asks the host nothing before its one read (take_stock).
+            speculate = n > 1 and tree.is_chain and type(self.rule) is TopK and self.rule.topk == 1
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree,
-                                       src_lengths[batch.sentence] if self.match_source_len else None, bounds)
+                                       src_lengths[batch.sentence] if self.match_source_len else None, bounds,
+                                       checked=not speculate)
 
             # 2.-4. Verify the candidates with head 1, accept the deepest passing path, commit it.
             # No limit where no sentence can reach max_len within the block (and nothing reads it).
             limit = (max_len + 1 - batch.length if bounds[1] >= max_len or getattr(self.policy, "observes", True)
                      else None)
-            node, kept, outputs, output_scores, added, finished = self.verify_block(
-                lprobs, block, batch.score, limit, tree
-            )
+            known_length = tree.is_chain and length is not None
+            stock = None
+            if speculate:
+                verified = self.verify_block(lprobs, block, batch.score, limit, tree, speculate=True)
+                stock = self.take_stock(n, invocations, verified, known_length)
+                if stock is None:  # in doubt (a NaN, or a tie at the top): verified again as always
+                    fix_nan(lprobs)
+            if stock is None:
+                verified = self.verify_block(lprobs, block, batch.score, limit, tree)
+                stock = self.take_stock(n, invocations, verified, known_length)
+            node, kept, outputs, output_scores, added, finished = verified[:6]
+            ended, count = stock
             self.policy.observe(n, kept, added, limit)
-            ended, count = self.take_stock(n, invocations, kept, added, finished, tree.is_chain and length is not None)
             # b x D+1: the accepted path's nodes, then padding (a block of one: its root for all)
             path = tree.paths.expand(node.size(0), -1) if n == 1 else tree.paths[node]
             if block_attn is not None and not tree.is_chain:  # a chain's path is the block itself
@@ -281,37 +292,46 @@ class BlockwiseGenerator(nn.Module):
                 token = batch.tokens.gather(1, batch.length[:, None])
             proposals = self.next_proposals(last, token[:, 0], encoder_out, batch)
 
-    def take_stock(self, n, invocations, kept, added, finished, known_length):
+    def take_stock(self, n, invocations, verified, known_length):
         """Count a block of `n` in the stats, and read what the loop decides on: the rows that
         finished (a host list, or None where the loop asks itself: a block of one, whose
         count needs no read) and, where every sentence kept as many (known_length: a chain
         whose sentences are all as long) and none finished, that count (an int, else None).
 
-        A wider block is read once: kept, added and finished b together.
+        verified: verify_block's values. A wider block is read once: kept, added and
+        finished b together, and a speculating verify_block's doubt, on which this counts
+        nothing and returns None.
         """
+        _, kept, _, _, added, finished, *doubt = verified
         if n == 1:  # every sentence added one: no need to ask
             if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
                 self.stats.accepted[1] += added.size(0)
             return None, 1 if known_length else None
+        if doubt:  # kept 0 (else at least 1): in doubt
+            kept = kept.masked_fill(doubt[0], 0)
         kept, added, finished = torch.stack([kept, added, finished]).tolist()
+        if not kept[0]:
+            return None
         if invocations > 1:
             self.stats.accepted.update(added)
         rows = [row for row, ended in enumerate(finished) if ended]
         same = known_length and not rows and min(kept) == max(kept)
         return rows, kept[0] if same else None
 
-    def verify_block(self, lprobs, block, score, limit, tree):
+    def verify_block(self, lprobs, block, score, limit, tree, speculate=False):
         """Steps 2-4 on head 1's lprobs b x n x V over `block` b x n laid out as `tree`.
 
         score: b, the running score so far; limit: b, the most outputs each sentence may add
         (None: no sentence reaches its maximum length within the block). Returns the accepted node b, the outputs it keeps b (its depth + 1), then commit's
         outputs b x D+1, output_scores b x D+1, added b and finished b, along its path.
+        speculate (greedy's own rule on a chain, lprobs from head1_lprobs(checked=False)): asks
+        nothing on the host, and returns also exact_chain's doubt (True: fix_nan, verify again).
         """
         if block.size(1) == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
             outputs, output_scores, added, finished = greedy_step(lprobs, score, self.eos)
             return torch.zeros_like(added), added, outputs, output_scores, added, finished
         if tree.is_chain and type(self.rule) is TopK and self.rule.topk == 1:  # greedy's own rule on a chain
-            kept, *committed = exact_chain(lprobs, block, score, limit, self.eos)
+            kept, *committed = exact_chain(lprobs, block, score, limit, self.eos, speculate)
             return (kept - 1, kept, *committed)
         # 2. Verify the candidates with head 1, 3. accept the deepest path whose proposals pass.
         verdict = verify(lprobs, block, score, self.rule.ranks, tree)
@@ -360,13 +380,16 @@ class BlockwiseGenerator(nn.Module):
         return (bounds[1] >= max_len or bounds[0] < self.min_len or self.repeat_ngram_blocker is not None
                 or self.match_source_len)
 
-    def head1_lprobs(self, features, steps, tokens, block, max_len, tree, src_lengths, bounds=(0, math.inf)):
+    def head1_lprobs(self, features, steps, tokens, block, max_len, tree, src_lengths, bounds=(0, math.inf),
+                     checked=True):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V.
 
         steps: b x n, the step each output predicts (None where step_constraints says none
         is read); src_lengths: b (under match_source_len); bounds: host ints at most the
         least step and at least the greatest, which skip the length constraints where they
-        cannot bite without asking the device.
+        cannot bite without asking the device; checked False: NaNs are left in, for a caller
+        that finds them itself (verify_block(speculate=True)) and then calls fix_nan (every
+        change made after it leaves a NaN where fix_nan puts -inf, or overwrites it).
         """
         model = self.model  # a submodule: each read is nn.Module's attribute search
         decoder = model.decoder
@@ -376,8 +399,8 @@ class BlockwiseGenerator(nn.Module):
         lprobs = model.get_normalized_probs((logits, None), log_probs=True)
         # fairseq turns NaN log-probs into -inf. A finite sum (one vectorised reduction) says
         # there are none, far cheaper than the fix, which then runs only where one may be.
-        if not math.isfinite(lprobs.sum().item()):
-            torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if checked and not math.isfinite(lprobs.sum().item()):
+            fix_nan(lprobs)
         lprobs.select(-1, self.pad).fill_(-math.inf)
         if self.unk_penalty:
             lprobs[..., self.unk] -= self.unk_penalty
@@ -449,6 +472,11 @@ class BlockwiseGenerator(nn.Module):
             "positional_scores": positional_scores,
             "steps": invocations,
         }
+
+
+def fix_nan(lprobs):
+    """fairseq's NaN log-probs made -inf, in place."""
+    torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
 
 
 class FixedWidth:

@@ -9,7 +9,7 @@ import torch
 from conftest import build
 
 from fairseq_bpd.acceptance import TopK, accepted, commit, exact_chain, verify
-from fairseq_bpd.generator import Batch
+from fairseq_bpd.generator import Batch, BlockwiseGenerator, fix_nan
 from fairseq_bpd.tree import Tree
 
 EOS, V = 2, 12
@@ -124,10 +124,10 @@ class Operations(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_an_exact_chain_at_batch_one_reads_the_host_once_and_indexes_no_rows(data_dir):
-    """Width 3 at batch 1, the static cache: between two decoder passes the loop (beyond
-    head 1's NaN check and the cache's own read) reads the host once, gathers only the
-    proposals' log-probs, and scatters, concatenates (but the block) and indexes nothing
-    per row; the output is greedy's."""
+    """Width 3 at batch 1, the static cache: between two decoder passes the loop (the
+    cache's crop and the proposals aside) reads the host once (no NaN check of its own),
+    gathers only the proposals' log-probs, and scatters, concatenates (but the block) and
+    indexes nothing per row; the output is greedy's."""
     from conftest import random_sample
     from test_generator import assert_same, blockwise, greedy
 
@@ -168,8 +168,62 @@ def test_an_exact_chain_at_batch_one_reads_the_host_once_and_indexes_no_rows(dat
     chains = [ops.names for ops, n in zip(seen[:-1], widths) if n == 3][1:]  # the last pass retires
     assert len(chains) >= 3
     for names in chains:
-        head_reads = names.count("item") + names.count("is_nonzero") + names.count("_local_scalar_dense")
-        assert head_reads == 1, names  # head 1's NaN check
-        assert names.count("resolve_conj") == 1, names  # the one read of kept, added and finished
+        assert not [name for name in names if name in ("item", "is_nonzero", "_local_scalar_dense")], names
+        assert names.count("resolve_conj") == 1, names  # the one read: kept, added and finished
         assert names.count("gather") == 1 and names.count("cat") == 1, " ".join(names)
         assert not [name for name in names if name in ("scatter_", "index_select", "nonzero")], names
+
+
+@pytest.mark.parametrize("b", [1, 6])
+def test_speculation_doubts_a_nan_and_a_tie_and_nothing_else(b):
+    """exact_chain(speculate=True) asks the host nothing: its doubt is True where head 1's
+    log-probs hold a NaN (any choice) or a tie at the top is chosen by reductions (b x n
+    of CHOICE_BY_MAXIMUM rows or more; topk's choice among ties is fairseq's), else False,
+    and its values are then the checked ones."""
+    n = 3
+    lprobs, block, score = random_block(b, n, torch.float32, seed=1)
+    lprobs[..., 5] = -30.0  # no ties
+    doubt = exact_chain(lprobs, block, score, None, EOS, speculate=True)[5]
+    assert not bool(doubt)
+    for w, g in zip(exact_chain(lprobs, block, score, None, EOS), exact_chain(lprobs, block, score, None, EOS, True)):
+        assert torch.equal(w, g)
+    poisoned = lprobs.clone()
+    poisoned[0, 1, 4] = math.nan
+    assert bool(exact_chain(poisoned, block, score, None, EOS, speculate=True)[5])
+    tied = lprobs.clone()
+    tied[-1, 2, 5] = tied[-1, 2].max()
+    assert bool(exact_chain(tied, block, score, None, EOS, speculate=True)[5]) == (b * n >= 4)
+
+
+class Poisoned(BlockwiseGenerator):
+    """Head 1's log-probs at each block's second position lose their best token: NaN where the
+    loop leaves the NaN check to verification (`nan`), else -inf, what fairseq's fix makes of it."""
+
+    def __init__(self, *args, nan, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nan, self.fixes = nan, 0
+
+    def head1_lprobs(self, *args, checked=True, **kwargs):
+        lprobs = super().head1_lprobs(*args, checked=checked, **kwargs)
+        if lprobs.size(1) > 1:
+            row = lprobs[:, 1]
+            row.scatter_(1, row.argmax(dim=1, keepdim=True), math.nan if self.nan and not checked else -math.inf)
+        return lprobs
+
+
+def test_a_nan_found_by_verification_decodes_as_one_fixed_at_once(data_dir, monkeypatch):
+    """A NaN in head 1's log-probs on an exact chain, left for verification to find: the block is
+    verified again, NaNs fixed, and decodes as if head1_lprobs had fixed them."""
+    from conftest import random_sample
+    from fairseq_bpd import generator as module
+
+    task, model, _ = build(data_dir, "--block-size", "4", seed=6)
+    sample = random_sample(task, bsz=3, seed=6)
+    fixes = []
+    monkeypatch.setattr(module, "fix_nan", lambda lprobs: fixes.append(1) or fix_nan(lprobs))
+    hypos = [Poisoned(model, task.target_dictionary, block_size=4, max_len_b=20, nan=nan).generate([model], sample)
+             for nan in (False, True)]
+    assert len(fixes) >= 3  # every wide block was verified again
+    for fixed, found in zip(*hypos):
+        assert fixed[0]["tokens"].tolist() == found[0]["tokens"].tolist()
+        assert torch.equal(fixed[0]["positional_scores"], found[0]["positional_scores"])
