@@ -163,21 +163,25 @@ COLUMNS = 64
 class StaticCache:
     """The decoder's keys and values preallocated for the batch, written in place (the lean path).
 
-    kv: 2L x B x T x C, layer i's keys at 2i and values at 2i+1, the heads side by side in
-    C, as the block's projection makes them; attention reads them as strided
-    B x h x W x d views. Cache row r holds its sentence's entries in its first lengths[r]
-    columns. A block is written at each row's own length (a slice where all are equal,
-    as at batch 1; one index_copy otherwise) and attention reads the first
-    max(lengths) + n columns, with a mask only where lengths differ or the block has more
-    than one token. A rejected suffix needs no crop: the length stops before it and the
-    next block overwrites it; a tree's accepted path is one gather of its entries.
+    kv: L x B x T x 3C, layer i's at i: per column the block's one product of queries, keys
+    and values side by side (each the heads side by side in C), as static_pass makes it.
+    Where a block's rows are one matrix of the buffer (equal lengths and one row or one
+    token a row: batch 1 always, and every width-1 block), the product is made in place
+    there (write); otherwise it is made apart and copied in with one index_copy. The
+    queries' columns are no one's after their block. Attention reads the keys and values
+    of the first max(lengths) + n columns as strided B x h x W x d views, with a mask only
+    where lengths differ or the block has more than one token (at equal lengths a slice
+    of one kept per block mask, not made per block). Cache row r holds its sentence's
+    entries in its first lengths[r] columns. A rejected suffix needs no crop: the length
+    stops before it and the next block overwrites it; a tree's accepted path is one gather
+    of its entries.
     A finished sentence's row is masked, not copied out (rows: the cache rows of the
     decoder's rows, in any order), until ROWS_COMPACT_AT of them are; then the last live
     rows move into the finished ones' places (compact). The source's keys and values
     (encoder attention) are kept per layer, B x h x S x d, with the source mask additive.
 
     Same methods as IncrementalCache (width, crop, source, keep_source), plus begin
-    (the block's rows and mask), write (a layer's block keys and values) and reorder.
+    (the block's rows and mask), write (a layer's block product) and reorder.
     """
 
     def __init__(self, layers, columns=None):
@@ -185,8 +189,10 @@ class StaticCache:
         self.kv = self.lengths = self.rows = self.source_mask = None
         self.sources = [None] * len(layers)
         self.longest, self.equal, self.tree, self.n = 0, True, False, 0
-        self.chain_masks = {}
+        self.chain_masks, self.block_masks = {}, {}
+        self.slab = self.index = None  # where write puts a block's product (begin)
         self.position_rows = None  # the decoder's position table for this batch (decoder.positions_for)
+        self.embedding = None  # the decoder's token embeddings, scaled (decoder.scaled_embedding), or None
 
     def width(self):
         """Columns before the next block: the longest row's length, an int."""
@@ -203,29 +209,55 @@ class StaticCache:
         block_mask: n x n additive (the chain's or a tree's; None: the chain's)."""
         b, n, channels = x.shape
         if self.kv is None:  # zeros, not empty: -inf masking a NaN in fresh memory is NaN
-            self.kv = x.new_zeros(2 * len(self.layers), b, max(self.columns, n), channels)
+            self.kv = x.new_zeros(len(self.layers), b, max(self.columns, n), 3 * channels)
             self.lengths = torch.zeros(b, dtype=torch.long, device=x.device)
         elif self.longest + n > self.kv.size(2):  # doubled: a copy now and then, never per block
             self.resize(max(2 * self.kv.size(2), self.longest + n))
         if self.rows is not None:
             x = x.new_zeros(self.kv.size(1), n, channels).index_copy_(0, self.rows, x)
+        rows, columns = self.kv.shape[1:3]
         if block_mask is None:  # the chain's
-            block_mask = torch.triu(x.new_full((n, n), -math.inf), 1)
+            block_mask = self.causal(n, x)
         self.n, self.tree = n, n > 1 and not self.is_chain(block_mask)
-        width = self.longest + n
+        # The block's product goes straight into the buffer where its rows are one matrix
+        # there (row stride: a column's, or a cache row's); else one index_copy of it.
+        self.slab = None
+        if self.equal and (rows == 1 or n == 1):
+            self.slab = self.kv.stride(2) if rows == 1 else self.kv.stride(1)
+        else:
+            self.index = ((torch.arange(rows, device=x.device) * columns + self.lengths)[:, None]
+                          + torch.arange(n, device=x.device)).view(-1)  # B*n: the block's flat columns
         if self.equal:
             if n == 1:
                 return x, None
-            mask = x.new_zeros(n, width)
-            mask[:, self.longest:] = block_mask
-            return x, mask
-        rows, columns = self.kv.size(1), self.kv.size(2)
-        self.index = ((torch.arange(rows, device=x.device) * columns + self.lengths)[:, None]
-                      + torch.arange(n, device=x.device)).view(-1)  # B*n: the block's flat columns
+            return x, self.prefix_mask(block_mask).narrow(1, columns - self.longest, self.longest + n)
+        width = self.longest + n
         # Per row, a column before its block is seen, one in it as block_mask says, one after hidden.
         table = torch.cat([block_mask.new_zeros(n, 1), block_mask, block_mask.new_full((n, 1), -math.inf)], 1)
         where = (torch.arange(width, device=x.device) - self.lengths[:, None] + 1).clamp_(0, n + 1)  # B x W
         return x, table.to(x)[:, where].transpose(0, 1).unsqueeze(1)
+
+    def causal(self, n, x):
+        """The chain's n x n mask (-inf above the diagonal), kept per width."""
+        key = ("causal", n, x.dtype, x.device)
+        if key not in self.block_masks:
+            self.block_masks[key] = (None, torch.triu(x.new_full((n, n), -math.inf), 1))
+        return self.block_masks[key][1]
+
+    def prefix_mask(self, block_mask):
+        """n x T+n: T zeros (the cache's columns, all seen), then block_mask; the mask over a
+        prefix of L columns and the block is its slice from column T-L, so that a block
+        makes no mask of its own. Kept per block mask (the mask itself is held, so its
+        address is not another's) and made again when the buffer widens."""
+        columns = self.kv.size(2)
+        key = (id(block_mask), columns)
+        kept = self.block_masks.get(key)
+        if kept is None or kept[0] is not block_mask:
+            n = block_mask.size(0)
+            mask = self.kv.new_zeros(n, columns + n)
+            mask[:, columns:] = block_mask
+            kept = self.block_masks[key] = (block_mask, mask)
+        return kept[1]
 
     def is_chain(self, block_mask):
         """Whether block_mask (n x n) is the causal one: crop then has no path to gather."""
@@ -236,24 +268,31 @@ class StaticCache:
             self.chain_masks[key] = bool(((block_mask == -math.inf) == causal).all())
         return self.chain_masks[key]
 
-    def write(self, layer, kv, heads):
-        """Layer `layer`'s block keys and values (2 x B x n x C, any strides) into place; returns
-        the keys and values to attend to, B x h x W x d each (W = max(lengths) + n): strided
+    def write(self, layer, y, weights, heads):
+        """Layer `layer`'s block product, y (B*n x C) · weights (C x 3C, then its 3C bias: the
+        queries', keys' and values' side by side), made into the cache (begin says where).
+        Returns the product (B*n x 3C, any row stride: its queries are the block's) and the
+        keys and values to attend to, B x h x W x d each (W = max(lengths) + n): strided
         views of the buffer, made directly (slicing, viewing and transposing each is three
         operations a layer and invocation)."""
         buffer = self.kv
-        rows, columns, channels = buffer.shape[1:]
+        rows, columns, width = buffer.shape[1:]
         layer_stride, row_stride, column_stride = buffer.stride()[:3]
-        start = buffer.storage_offset() + 2 * layer * layer_stride  # the layer's keys
-        if self.equal:  # the block's columns of both, one copy
-            buffer.as_strided((2, rows, self.n, channels), (layer_stride, row_stride, column_stride, 1),
-                              start + self.longest * column_stride).copy_(kv)
+        start = buffer.storage_offset() + layer * layer_stride
+        if self.slab is not None:
+            out = buffer.as_strided((rows * self.n, width), (self.slab, 1), start + self.longest * column_stride)
+            if y.requires_grad:  # out= is refused under autograd (decoding runs without it)
+                product = out.copy_(torch.addmm(weights[1], y, weights[0]))
+            else:
+                product = torch.addmm(weights[1], y, weights[0], out=out)
         else:
-            pair = buffer[2 * layer : 2 * layer + 2]  # 2 x B x T x C
-            pair.view(2, rows * columns, channels).index_copy_(1, self.index, kv.reshape(2, -1, channels))
-        width, d = self.longest + self.n, channels // heads
-        shape, strides = (rows, heads, width, d), (row_stride, d, column_stride, 1)
-        return buffer.as_strided(shape, strides, start), buffer.as_strided(shape, strides, start + layer_stride)
+            product = torch.addmm(weights[1], y, weights[0])
+            buffer.as_strided((rows * columns, width), (column_stride, 1), start).index_copy_(0, self.index, product)
+        channels = width // 3
+        shape, strides = (rows, heads, self.longest + self.n, channels // heads), (row_stride, channels // heads,
+                                                                                   column_stride, 1)
+        return (product, buffer.as_strided(shape, strides, start + channels),
+                buffer.as_strided(shape, strides, start + 2 * channels))
 
     def source(self, layer):
         """The source's keys and values for layer `layer` (B x h x S x d each), or None."""
@@ -333,3 +372,4 @@ class StaticCache:
         kv = self.kv.new_zeros(*self.kv.shape[:2], columns, self.kv.size(3))
         kv[:, :, : self.longest] = self.kv[:, :, : self.longest]
         self.kv = kv
+        self.block_masks = {key: kept for key, kept in self.block_masks.items() if key[0] == "causal"}

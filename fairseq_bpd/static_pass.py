@@ -4,8 +4,8 @@ Taken when block_layer understands every decoder layer (decoder.cache decides), 
 computes the same function as block_layer and fairseq's layers, in fewer operations:
 per layer one product gives the block's queries, keys and values (the three
 projections' weights side by side, transposed once, the query's scaling folded in),
-which the cache writes in place, and the rows stay batch first throughout, so no
-reshape between layers copies. The weights are arranged once per decoding (LeanWeights),
+made in the cache's own buffer (StaticCache.write), and the rows stay batch first
+throughout, so no reshape between layers copies. The weights are arranged once per decoding (LeanWeights),
 not per invocation. The source's keys and values are computed on the first call and
 kept by the cache. It rounds differently from fairseq's step, as any block pass does,
 which is why exactness is tested in float64.
@@ -90,11 +90,12 @@ def normed(params, x):
 
 
 def split_heads(x, rows, n, heads, start=0, channels=None):
-    """Columns start..start+C of x (B*n x W, rows contiguous) as B x h x n x d: one strided
-    view (a slice, view and transpose would be three operations, each paid per layer)."""
-    width = x.size(1)
-    channels = channels or width
-    return x.as_strided((rows, heads, n, channels // heads), (n * width, channels // heads, width, 1),
+    """Columns start..start+C of x (B*n x W, columns contiguous, rows at any one stride) as
+    B x h x n x d: one strided view (a slice, view and transpose would be three operations,
+    each paid per layer)."""
+    step = x.stride(0)
+    channels = channels or x.size(1)
+    return x.as_strided((rows, heads, n, channels // heads), (n * step, channels // heads, step, 1),
                         x.storage_offset() + start)
 
 
@@ -123,11 +124,8 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
         pre, heads = w["pre"], w["heads"]
         # Self-attention: the block's keys and values go into the cache, in place.
         y = normed(w["self_norm"], x) if pre else x
-        qkv = product(y, w["qkv"])  # B*n x 3C
+        qkv, k, v = cache.write(i, y, w["qkv"], heads)  # B*n x 3C, made in the cache
         q = split_heads(qkv, rows, n, heads, 0, channels)  # B x h x n x d
-        kv = qkv.as_strided((2, rows, n, channels), (channels, n * 3 * channels, 3 * channels, 1),
-                            qkv.storage_offset() + channels)  # 2 x B x n x C
-        k, v = cache.write(i, kv, heads)
         x = x + product(merge_heads(attend(q, k, v, mask)[0], rows, n), w["out"])
         if not pre:
             x = normed(w["self_norm"], x)
