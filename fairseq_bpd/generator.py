@@ -12,7 +12,9 @@ The loop asks three objects and never which kind each is: its acceptance rule wh
 proposals pass (acceptance.py), its proposer for the next block (heads.py's protocol),
 its width policy how wide that block is (FixedWidth, or adaptive.py's AdaptiveWidth).
 A block of one token (the first pass, and width 1 under --blockwise-adaptive) has
-nothing to verify or crop: greedy_step, at the cost of fairseq's own greedy step.
+nothing to verify or crop: greedy_step, at the cost of fairseq's own greedy step. A
+chain under greedy's own rule, the common case, is verified, accepted and committed by
+one fused function (acceptance.exact_chain), which asks the host once a block.
 """
 import logging
 import math
@@ -230,7 +232,7 @@ class BlockwiseGenerator(nn.Module):
                                                          min(bounds[1], max_len))  # the longest position
             invocations += 1
             # Greedy's own rule on a chain asks the host nothing before its one read (take_stock).
-            speculate = n > 1 and tree.is_chain and type(self.rule) is TopK and self.rule.topk == 1
+            speculate = n > 1 and self.fused(tree)
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree,
                                        src_lengths[batch.sentence] if self.match_source_len else None, bounds,
                                        checked=not speculate)
@@ -318,19 +320,25 @@ class BlockwiseGenerator(nn.Module):
         same = known_length and not rows and min(kept) == max(kept)
         return rows, kept[0] if same else None
 
+    def fused(self, tree):
+        """Whether a block laid out as `tree` is verified by exact_chain: a chain under greedy's
+        own rule (TopK(1) itself: a subclass may pass more)."""
+        return tree.is_chain and type(self.rule) is TopK and self.rule.topk == 1
+
     def verify_block(self, lprobs, block, score, limit, tree, speculate=False):
         """Steps 2-4 on head 1's lprobs b x n x V over `block` b x n laid out as `tree`.
 
         score: b, the running score so far; limit: b, the most outputs each sentence may add
-        (None: no sentence reaches its maximum length within the block). Returns the accepted node b, the outputs it keeps b (its depth + 1), then commit's
-        outputs b x D+1, output_scores b x D+1, added b and finished b, along its path.
+        (None: no sentence reaches its maximum length within the block). Returns the accepted
+        node b, the outputs it keeps b (its depth + 1), then commit's outputs b x D+1,
+        output_scores b x D+1, added b and finished b, along its path.
         speculate (greedy's own rule on a chain, lprobs from head1_lprobs(checked=False)): asks
         nothing on the host, and returns also exact_chain's doubt (True: fix_nan, verify again).
         """
         if block.size(1) == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
             outputs, output_scores, added, finished = greedy_step(lprobs, score, self.eos)
             return torch.zeros_like(added), added, outputs, output_scores, added, finished
-        if tree.is_chain and type(self.rule) is TopK and self.rule.topk == 1:  # greedy's own rule on a chain
+        if self.fused(tree):
             kept, *committed = exact_chain(lprobs, block, score, limit, self.eos, speculate)
             return (kept - 1, kept, *committed)
         # 2. Verify the candidates with head 1, 3. accept the deepest path whose proposals pass.
