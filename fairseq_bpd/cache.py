@@ -232,10 +232,8 @@ class StaticCache:
                 return x, None
             return x, self.prefix_mask(block_mask).narrow(1, columns - self.longest, self.longest + n)
         width = self.longest + n
-        # Per row, a column before its block is seen, one in it as block_mask says, one after hidden.
-        table = torch.cat([block_mask.new_zeros(n, 1), block_mask, block_mask.new_full((n, 1), -math.inf)], 1)
         where = (torch.arange(width, device=x.device) - self.lengths[:, None] + 1).clamp_(0, n + 1)  # B x W
-        return x, table.to(x)[:, where].transpose(0, 1).unsqueeze(1)
+        return x, self.row_table(block_mask, x)[:, where].transpose(0, 1).unsqueeze(1)
 
     def causal(self, n, x):
         """The chain's n x n mask (-inf above the diagonal), kept per width."""
@@ -250,13 +248,25 @@ class StaticCache:
         makes no mask of its own. Kept per block mask (the mask itself is held, so its
         address is not another's) and made again when the buffer widens."""
         columns = self.kv.size(2)
-        key = (id(block_mask), columns)
+        key = ("prefix", id(block_mask), columns)
         kept = self.block_masks.get(key)
         if kept is None or kept[0] is not block_mask:
             n = block_mask.size(0)
             mask = self.kv.new_zeros(n, columns + n)
             mask[:, columns:] = block_mask
             kept = self.block_masks[key] = (block_mask, mask)
+        return kept[1]
+
+    def row_table(self, block_mask, x):
+        """n x n+2 in x's dtype: per block token, what it sees of a row's column before its block
+        (0), in it (block_mask) and after it (-inf), which begin gathers at each row's
+        offsets. Kept per block mask (held, as in prefix_mask)."""
+        key = ("table", id(block_mask), x.dtype, x.device)
+        kept = self.block_masks.get(key)
+        if kept is None or kept[0] is not block_mask:
+            n = block_mask.size(0)
+            table = torch.cat([block_mask.new_zeros(n, 1), block_mask, block_mask.new_full((n, 1), -math.inf)], 1)
+            kept = self.block_masks[key] = (block_mask, table.to(x))
         return kept[1]
 
     def is_chain(self, block_mask):
@@ -372,4 +382,4 @@ class StaticCache:
         kv = self.kv.new_zeros(*self.kv.shape[:2], columns, self.kv.size(3))
         kv[:, :, : self.longest] = self.kv[:, :, : self.longest]
         self.kv = kv
-        self.block_masks = {key: kept for key, kept in self.block_masks.items() if key[0] == "causal"}
+        self.block_masks = {key: kept for key, kept in self.block_masks.items() if key[0] != "prefix"}

@@ -159,3 +159,25 @@ def test_the_projection_of_a_block_is_one_product_bit_for_bit(data_dir, vocab):
         transposed = decoder.project(x.transpose(0, 1).contiguous().transpose(0, 1), vocab)
     assert torch.equal(logits, expected) and torch.equal(transposed, expected)
     assert ops.names == ["aten.matmul.default"] or vocab and len(ops.names) == 2, ops.names
+
+
+def test_rows_apart_gather_their_mask_from_a_kept_table(data_dir):
+    """At unequal lengths each row's mask is gathered from a table kept per block mask: a
+    second block of the same mask builds no table (no cat), and the features stay a
+    full-prefix pass."""
+    sentences = Sentences(data_dir, bsz=3, seed=29)
+    decode_blocks(sentences, [1, 3, 3])
+    cache = sentences.decoder.cache(sentences.state)
+    assert not cache.equal
+    chain = cache.causal(3, torch.zeros((), dtype=torch.float64))
+    with torch.no_grad():
+        cache.begin(torch.zeros(3, 3, 16, dtype=torch.float64), chain)
+        with Operations() as ops:
+            _, mask = cache.begin(torch.zeros(3, 3, 16, dtype=torch.float64), chain)
+    assert "aten.cat.default" not in ops.names, ops.names
+    for row, length in enumerate(cache.lengths.tolist()):
+        expected = torch.full((3, cache.longest + 3), -math.inf, dtype=torch.float64)
+        expected[:, :length] = 0
+        expected[:, length : length + 3] = chain
+        assert torch.equal(mask[row, 0], expected)
+    decode_blocks(sentences, [3, 2, 3])
