@@ -15,7 +15,8 @@ from fairseq import utils
 from fairseq.modules import LayerNorm, MultiheadAttention
 
 from .errors import BlockwiseRequestError
-from .heads import Proposer, after_head1, best_tokens, following_tokens, shortlist_logits
+from .heads import (Proposer, after_head1, chain_proposals, choose, decoding_logits, following_tokens,
+                    no_proposals, shortlist_logits)
 from .draft_step import DraftState, DraftWeights, Waiting, decode_step
 from .targets import shift_target
 
@@ -203,7 +204,7 @@ class DraftDecoder(nn.Module, Proposer):
         self.state.encoder = encoder
         return self.state
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
         """Heads 2..width after the last accepted position, one draft step after another:
         `topn` best tokens each (the Proposer protocol).
 
@@ -216,21 +217,19 @@ class DraftDecoder(nn.Module, Proposer):
         drafted = self.feed_accepted(state, features, token)  # b x C
         state.proposed = True
         if width <= 1:
-            empty = features.new_empty(features.size(0), 0, topn)
-            return empty.long(), empty
+            return no_proposals(features, topn, log_probs)
         if width > 2:
             state.reserve(state.longest + width - 2)
             columns = state.length[:, None] + state.positions[: width - 2]  # b x width-2: each later step's
             masks = state.mask(columns, state.longest + width - 2)  # b x 1 x width-2 x used
-        tokens, lprobs = [], []
+        chosen, logits = [], []
         for i in range(width - 1):
             if i > 0:  # head i+2's step reads head i+1's: one entry, in column length + i - 1
                 drafted = decode_step(state, drafted, token, columns[:, i - 1 : i], masks[:, :, i - 1 : i])
-            best, best_lprobs = best_tokens(self.decoder, drafted, vocab, topn)  # b x topn
-            tokens.append(best)
-            lprobs.append(best_lprobs)
-            token = best[:, 0]
-        return torch.stack(tokens, dim=1), torch.stack(lprobs, dim=1)
+            logits.append(decoding_logits(self.decoder, drafted, vocab))  # b x N
+            token, best = choose(logits[-1], topn)
+            chosen.append(best)
+        return chain_proposals(chosen, logits, topn, log_probs)
 
     def feed_accepted(self, state, features, token):
         """Feed the waiting accepted positions and the last one (features b x C, token b):

@@ -17,6 +17,7 @@ from fairseq import utils
 
 from .targets import shift_target
 from .errors import BlockwiseRequestError
+from .static_pass import transposed
 
 
 class Proposer:
@@ -35,9 +36,11 @@ class Proposer:
     # that logits() gives them all at once (speculative sampling draws from them).
     independent = True
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
         """The best `topn` tokens of each of the block's width - 1 proposals, best first, and
-        their log-probs over the proposal vocabulary: both b x width-1 x topn."""
+        their log-probs over the proposal vocabulary: both b x width-1 x topn. log_probs
+        False: None instead of the log-probs, for a caller that reads only the tokens (an
+        exact chain needs each proposal's best token alone)."""
         raise NotImplementedError
 
     def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
@@ -75,7 +78,49 @@ def shortlist_problem(flag, vocab, dictionary):
             f"symbols) and the dictionary's {len(dictionary)} entries (got {vocab})")
 
 
-class ProposalHeads(nn.Module, Proposer):
+class Arranged:
+    """What decoding runs a proposer's heads on: weights arranged once per change (arrange(),
+    given decoder.proposal_projection()), or None where they run as their modules do: in
+    training, under hooks, on a projection that is not a plain product, or on weights that
+    keep no version (inference_mode's: they would be arranged on every call)."""
+
+    def reads(self):
+        """The decoder's modules the heads read beyond their own (the embedding's table)."""
+        return ()
+
+    def arrange(self, columns, padding):
+        raise NotImplementedError
+
+    def decoding_weights(self, vocab, encoder_out=None):
+        """arrange()'s weights for proposals over the first `vocab` entries, arranged again
+        when any weight they come from changes (weights_key), or None (above).
+
+        Checked once per encoder output (a batch's, until sentences leave it): the check
+        reads every parameter, which costs as much as a link of a chain."""
+        from .decoder import weights_key  # the decoder imports the heads: no cycle at import
+
+        encoder = encoder_out["encoder_out"][0] if encoder_out and encoder_out.get("encoder_out") else None
+        if encoder is not None and getattr(self, "_checked", None) is encoder and self._weights_key[1] == vocab:
+            return self._weights
+        decoder, self._checked = self.decoder, None
+        if self.training or any(m._forward_hooks or m._forward_pre_hooks for m in (*self.modules(), *self.reads())):
+            return None
+        key = weights_key(*self.parameters(), *(m.weight for m in self.reads()), decoder.output_projection.weight)
+        if key is None:
+            return None
+        if getattr(self, "_weights_key", None) != (key, vocab):
+            projection = decoder.proposal_projection(vocab)
+            self._weights = None if projection is None else self.arrange(*projection)
+            self._weights_key = (key, vocab)
+        self._checked = encoder
+        return self._weights
+
+    def train(self, mode=True):
+        self._weights = self._weights_key = self._checked = None  # arranged for decoding only
+        return super().train(mode)
+
+
+class ProposalHeads(Arranged, nn.Module, Proposer):
     """The paper's k heads over one feed-forward layer cut into residual slices.
 
     layout "base": head 1 is the decoder's own output and the layer serves heads 2..k
@@ -135,23 +180,52 @@ class ProposalHeads(nn.Module, Proposer):
         """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
         return shortlist_logits(self.decoder, x)
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
         """Heads 2..width after one position: their `topn` best tokens, best first (the
-        Proposer protocol; the heads read neither `token` nor `encoder_out`)."""
+        Proposer protocol; the heads read neither `token` nor `encoder_out`, but a batch's
+        encoder output tells when to check the arranged weights: decoding_weights)."""
         if width <= 1:
-            empty = features.new_empty(features.size(0), 0, topn)
-            return empty.long(), empty
-        lprobs, tokens = self.logits(features, token, width, vocab).log_softmax(dim=-1).topk(topn, dim=-1)
-        return tokens, lprobs
+            return no_proposals(features, topn, log_probs)
+        logits = self.logits(features, token, width, vocab, encoder_out)  # b x width-1 x N
+        tokens = logits.argmax(dim=-1, keepdim=True) if topn == 1 else logits.topk(topn, dim=-1)[1]
+        return tokens, logits.log_softmax(dim=-1).gather(-1, tokens) if log_probs else None
 
     def logits(self, features, token, width, vocab=0, encoder_out=None):
         """Heads 2..width after one position: features b x C -> logits b x width-1 x N.
 
         N is `vocab` (0: the dictionary). Padding gets -inf (speculative sampling draws
-        from these).
+        from these). On HeadWeights where they can run (decoding_weights).
         """
+        weights = self.decoding_weights(vocab, encoder_out)
+        if weights is not None and width > 1:
+            return weights.logits(features, width)
         heads = self.block_features(features, width)[:, 1:]  # b x width-1 x C
         return decoding_logits(self.decoder, heads, vocab)
+
+    def arrange(self, columns, padding):
+        return HeadWeights(self, columns, padding)
+
+
+class HeadWeights:
+    """ProposalHeads' layer and projection in decoding, on weights arranged once per change
+    (contiguous transposes for addmm): the same function as block_features() followed by
+    decoding_logits(), the proposals' slices of fc2 in one product."""
+
+    def __init__(self, heads, columns, padding):
+        """heads: ProposalHeads; columns C x N, padding N: decoder.proposal_projection()."""
+        self.fc1, self.fc2 = (transposed(heads.fc1), transposed(heads.fc2)) if heads.num_heads else (None, None)
+        self.first = 1 if heads.layout == "paper" else 0  # the layer's slice of head 2
+        self.columns, self.padding = columns, padding
+        self.activation = torch.relu_ if heads.activation_fn is F.relu else heads.activation_fn
+
+    def logits(self, features, width):
+        """Heads 2..width after features b x C: logits b x width-1 x N."""
+        (b, channels), proposals = features.shape, width - 1
+        rows = slice(self.first * channels, (self.first + proposals) * channels)
+        hidden = self.activation(torch.addmm(self.fc1[1], features, self.fc1[0]))  # b x nh*F
+        heads = torch.addmm(self.fc2[1][rows], hidden, self.fc2[0][:, rows]).view(b, proposals, channels)
+        heads = (heads + features[:, None]).view(b * proposals, channels)  # residual slices
+        return torch.addmm(self.padding, heads, self.columns).view(b, proposals, -1)
 
 
 def shortlist_logits(decoder, x):
@@ -194,6 +268,37 @@ def best_tokens(decoder, features, vocab, topn):
     return tokens, lprobs
 
 
+def choose(logits, topn):
+    """A chain's choice at one head from its logits b x N: the token the next head reads (b)
+    and the head's proposals (b, or b x topn best first, topn > 1).
+
+    The best by argmax of the logits, which is the log-softmax's (tied tokens change no
+    output, verification being exact): no log-softmax where no one reads log-probs."""
+    if topn == 1:
+        token = logits.argmax(dim=-1)
+        return token, token
+    best = logits.topk(topn, dim=-1)[1]
+    return best[:, 0], best
+
+
+def chain_proposals(chosen, logits, topn, log_probs):
+    """A chain's proposals from each head's choose() and logits (lists of b, or b x topn, and
+    b x N): tokens b x w-1 x topn, and their log-probs b x w-1 x topn, one log-softmax over
+    all heads, or None (not log_probs)."""
+    tokens = torch.stack(chosen, dim=1)  # b x w-1 (x topn)
+    if topn == 1:
+        tokens = tokens.unsqueeze(-1)
+    if not log_probs:
+        return tokens, None
+    return tokens, torch.stack(logits, dim=1).log_softmax(dim=-1).gather(-1, tokens)
+
+
+def no_proposals(features, topn, log_probs):
+    """What propose() returns for a block of width 1: tokens b x 0 x topn, log-probs alike or None."""
+    empty = features.new_empty(features.size(0), 0, topn)
+    return empty.long(), empty if log_probs else None
+
+
 def following_tokens(inputs, pad, eos):
     """The token after each decoder input, as fairseq's targets: B x T -> B x T.
 
@@ -215,7 +320,7 @@ def after_head1(heads, head_type, decoder, block_size, layout):
     heads.block_size, heads.layout = block_size, layout
 
 
-class ChainedHeads(nn.Module, Proposer):
+class ChainedHeads(Arranged, nn.Module, Proposer):
     """Heads 2..k in a chain, each told the token the head before it predicts.
 
     Ankner et al., "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding",
@@ -287,26 +392,35 @@ class ChainedHeads(nn.Module, Proposer):
         """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
         return shortlist_logits(self.decoder, x)
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
         """Heads 2..width after one position, one after another: `topn` best tokens each
         (the Proposer protocol).
 
         Head 2 reads `token` (b, head 1's choice after `features`, the block's first
         token), each later head its predecessor's best token: the best chain, whose
         alternatives at each head (topn > 1) follow it. A tree's nodes follow their own
-        parents instead (nodes()).
+        parents instead (nodes()). Links run on ChainWeights where they can (decoding_weights).
         """
-        tokens, lprobs = [], []
+        if width <= 1:
+            return no_proposals(features, topn, log_probs)
+        weights = self.decoding_weights(vocab, encoder_out)
+        chosen, logits, scores = [], [], None
         for i in range(width - 1):
-            features = self.link(i, features, token)  # b x C
-            best, best_lprobs = best_tokens(self.decoder, features, vocab, topn)  # b x topn
-            tokens.append(best)
-            lprobs.append(best_lprobs)
-            token = best[:, 0]
-        if not tokens:
-            empty = features.new_empty(features.size(0), 0, topn)
-            return empty.long(), empty
-        return torch.stack(tokens, dim=1), torch.stack(lprobs, dim=1)
+            if weights is None:
+                features = self.link(i, features, token)  # b x C
+                scores = decoding_logits(self.decoder, features, vocab)  # b x N
+            else:
+                features, scores = weights.link(i, features, token, scores, i == width - 2)
+            token, best = choose(scores, topn)
+            chosen.append(best)
+            logits.append(scores)
+        return chain_proposals(chosen, logits, topn, log_probs)
+
+    def reads(self):
+        return (self.decoder.embed_tokens,)
+
+    def arrange(self, columns, padding):
+        return ChainWeights(self, columns, padding)
 
     def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
         """A Hydra tree (Ankner et al., 2024): each node's children are proposed
@@ -328,6 +442,55 @@ class ChainedHeads(nn.Module, Proposer):
             chosen[:, children] = best[:, rows, ranks]
         return chosen[:, 1:]
 
+
+class ChainWeights:
+    """ChainedHeads' links in decoding, on weights arranged once per change: the same
+    function as link() followed by decoding_logits(), in a lookup and three products a link.
+
+    Link i's first layer W1_i [f; s E y] + b1_i is split into its features' part and its
+    token's, the latter a table over the tokens the link can read (head 2 reads head 1's
+    choice: the dictionary; later heads a proposal: the shortlist's N). The fc_out biases
+    are carried, not added: the chain runs on g_i = f_i - c_i, c_i the sum of the biases
+    of links before i, which the next link's table (W1_i's features part times c_i) and
+    each head's projection bias (c_i P, beside padding's -inf) add back. Where the links'
+    hidden width H is below the features' C and the activation is relu, a later head's
+    logits are the head before's plus its hidden layer times W2_i P (H x N, read instead of
+    P's C x N) plus b2_i P, the latter as one more hidden unit, always 1 (relu(1) = 1).
+    """
+
+    def __init__(self, heads, columns, padding):
+        """heads: ChainedHeads; columns C x N, padding N: decoder.proposal_projection()."""
+        decoder = heads.decoder
+        channels, hidden = decoder.output_embed_dim, heads.fc_in[0].out_features
+        through = hidden < channels and heads.activation_fn is F.relu
+        embedded = decoder.embed_scale * decoder.embed_tokens.weight.detach()  # V x E
+        carried = columns.new_zeros(channels)  # c_i
+        self.columns, self.links = columns, []
+        for i, (fc_in, fc_out) in enumerate(zip(heads.fc_in, heads.fc_out)):
+            w_in, w_out = fc_in.weight.detach(), fc_out.weight.detach()  # H x (C + E), C x H
+            readable = embedded if i == 0 else embedded[: columns.size(1)]  # R x E
+            table = torch.addmm(torch.addmv(fc_in.bias.detach(), w_in[:, :channels], carried),
+                                readable, w_in[:, channels:].t())  # R x H
+            features_in, out, ahead = w_in[:, :channels].t(), w_out.t(), None  # C x H, H x C
+            if through:  # the unit: 1 in every row of the table, read by no features, adding b2_i P
+                table, features_in = F.pad(table, (0, 1), value=1.0), F.pad(features_in, (0, 1))
+                ahead = torch.cat([out @ columns, (fc_out.bias.detach() @ columns)[None]]) if i else None
+                out = F.pad(out, (0, 0, 0, 1))  # (H+1) x C: the unit adds nothing to g
+            carried = carried + fc_out.bias.detach()
+            self.links.append((features_in.contiguous(), table, out.contiguous(),
+                               torch.addmv(padding, columns.t(), carried), ahead))
+        self.activation = torch.relu_ if heads.activation_fn is F.relu else heads.activation_fn
+
+    def link(self, i, g, tokens, logits, last):
+        """Link i: g_i b x C, the tokens it reads (b) and head i+1's logits b x N (None at
+        head 1) -> g_(i+1) (None after the `last` link, where no one reads it) and head
+        i+2's logits b x N."""
+        features_in, table, out, bias, ahead = self.links[i]
+        hidden = self.activation(torch.addmm(table.index_select(0, tokens), g, features_in))  # b x H (+1)
+        if ahead is None:
+            g = torch.addmm(g, hidden, out)
+            return g, torch.addmm(bias, g, self.columns)
+        return None if last else torch.addmm(g, hidden, out), torch.addmm(logits, hidden, ahead)
 
 from .draft import DraftDecoder  # noqa: E402 (it builds on this module's Proposer)
 
