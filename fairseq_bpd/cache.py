@@ -192,7 +192,6 @@ class StaticCache:
         self.chain_masks, self.block_masks = {}, {}
         self.slab = self.index = None  # where write puts a block's product (begin)
         self.position_rows = None  # the decoder's position table for this batch (decoder.positions_for)
-        self.embedding = None  # the decoder's token embeddings, scaled (decoder.scaled_embedding), or None
 
     def width(self):
         """Columns before the next block: the longest row's length, an int."""

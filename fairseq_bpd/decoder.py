@@ -147,7 +147,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         of the layers (lean_layers): fairseq's optimizers update p.data in place, which moves
         no version counter, and fairseq's Trainer switches modes around every step and validation."""
         self._transposed_key = self._position_key = self._lean_layers = self._lean_weights = None
-        self._proposal_key = self._embedding_key = self._embedding = None
+        self._proposal_key = None
         return super().train(mode)
 
     def forward(
@@ -200,11 +200,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
         """
         n = tokens.size(1)
         cache = self.cache(incremental_state)
-        table = getattr(cache, "embedding", None)  # the lean path's, already scaled (no gradient reaches it)
-        if table is not None and not torch.is_grad_enabled():
-            x = torch.embedding(table, tokens)
-        else:
-            x = self.embed_scale * self.embed(tokens)
+        # The lookup scaled, not a table scaled once and kept: a table kept across decodings
+        # would miss a change made through .data (no version counter moves), and saves one
+        # small operation an invocation.
+        x = self.embed_scale * self.embed(tokens)
         if self.quant_noise is not None:
             x = self.quant_noise(x)
         if self.project_in_dim is not None:
@@ -254,21 +253,6 @@ class BlockwiseDecoder(TransformerDecoderBase):
         module = self.embed_tokens
         return (type(module) is nn.Embedding and module.max_norm is None and not module._forward_hooks
                 and not module._forward_pre_hooks)
-
-    def scaled_embedding(self):
-        """The token embeddings times embed_scale (V x E), kept across decodings (made again when
-        the weight changes: weights_key), for a plain nn.Embedding with no hooks (else None):
-        a lookup in it equals scaling the lookup, one operation fewer an invocation."""
-        module = self.embed_tokens
-        if not self.plain_embedding():
-            return None
-        key = weights_key(module.weight)
-        if key is None:
-            return None
-        if getattr(self, "_embedding_key", None) != (key, self.embed_scale):
-            self._embedding = (module.weight.detach() * self.embed_scale).contiguous()
-            self._embedding_key = (key, self.embed_scale)
-        return self._embedding
 
     def positions_for(self, cache, size):
         """position_table(size) or longer, kept by a StaticCache for its batch: the weights do
@@ -331,7 +315,6 @@ class BlockwiseDecoder(TransformerDecoderBase):
             if all(lean) and self.static_cache:
                 self._lean_weights = self.lean_weights()
                 static = incremental_state[STATIC] = StaticCache(self.layers)
-                static.embedding = self.scaled_embedding()
                 return static
             if not all(lean):
                 self.say_why_not_lean(lean)
