@@ -454,9 +454,10 @@ class BlockwiseGenerator(nn.Module):
             # A proposer whose nodes() proposes each node after its own parent (Hydra) reads
             # nothing of propose()'s chain: the tree needs only the width, not the chain's cost.
             return token.new_zeros(features.size(0), width - 1, self.layout.topn)
+        confident = self.log_confidence > -math.inf  # the log-probs are read only to cut the width
         proposals, lprobs = self.proposer.propose(features, token, width, self.proposal_vocab, self.layout.topn,
-                                                  encoder_out)
-        if self.log_confidence == -math.inf:
+                                                  encoder_out, log_probs=confident)
+        if not confident:
             return proposals
         return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]
 

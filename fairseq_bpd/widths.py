@@ -218,6 +218,8 @@ class TableWidth:
     block's width is table.width at the live batch size, chosen once per size; widths chosen
     are counted in `stats` (BlockwiseStats)."""
 
+    observes = False  # the table is measured beforehand: no block's outcome changes a width
+
     def __init__(self, table, stats):
         self.table, self.stats = table, stats
         self.chosen = {}  # batch size -> width

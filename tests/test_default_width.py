@@ -292,6 +292,20 @@ def test_the_default_gives_greedy_output(data_dir, cache, tmp_path, bsz, table):
         assert set(chosen) == {4} if bsz == 1 else 1 in chosen and set(chosen) <= {1, 3, 4}
 
 
+def test_a_table_policy_is_given_no_limit_where_none_bites(data_dir, cache, tmp_path):
+    """TableWidth reads nothing in observe(): the loop builds `limit` only near max_len."""
+    task, model, _ = build(data_dir, "--block-size", "4", seed=6)
+    sample = random_sample(task, bsz=3, seed=6)
+    options = BlockwiseOptions(max_len_b=20, widths=str(tmp_path / "widths.json"))
+    save_table(hand_made(), options.widths)
+    generator = options.generator(model, task.target_dictionary)
+    assert isinstance(generator.policy, TableWidth) and not generator.policy.observes
+    limits = []
+    generator.policy.observe = lambda width, kept, added, limit: limits.append(limit)
+    assert_same(greedy(model, task, sample, max_len_b=20), generator.generate([model], sample))
+    assert None in limits
+
+
 def test_the_hub_decodes_at_the_width_asked_not_the_one_trained_with(data_dir, cache, tmp_path):
     """fairseq's hub builds the task from the checkpoint's saved options: their --block-size
     is the training run's k, no decoding request; what from_pretrained is given is one."""

@@ -135,9 +135,10 @@ class WatchedDraft(Proposer):
             return drafted
         heads.feed_accepted = recorded
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
         if self.sentence is None:
             self.sentence = torch.arange(features.size(0))
+        # The log-probs are recorded for the teacher-forced check whether or not the caller reads them.
         proposals, lprobs = self.heads.propose(features, token, width, vocab, topn, encoder_out)
         length = self.heads.state.length  # the prefix each row has accepted, BOS included
         self.drafts.append((self.sentence.clone(), length.clone(), proposals[..., 0].clone(), lprobs[..., 0].clone(),
@@ -147,7 +148,7 @@ class WatchedDraft(Proposer):
             right = ref[n : n + width - 1]
             agree = self.agree(s, n) if callable(self.agree) else self.agree
             proposals[row, :, 0] = torch.tensor(right if agree else [4 + (x - 3) % 20 for x in right])
-        return proposals, lprobs
+        return proposals, lprobs if log_probs else None
 
     def keep(self, path, kept, features, block):
         self.heads.keep(path, kept, features, block)

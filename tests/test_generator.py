@@ -533,14 +533,15 @@ class RecordingProposer(Proposer):
     def __init__(self, heads, references):
         self.heads, self.references = heads, references
         self.sentence = self.length = None
-        self.reorders, self.blocks = [], 0
+        self.reorders, self.blocks, self.log_probs = [], 0, []
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
         assert self.sentence.numel() == features.size(0) == encoder_out["encoder_out"][0].size(1)
         for row, (s, n) in enumerate(zip(self.sentence.tolist(), self.length.tolist())):
             assert int(token[row]) == int(self.references[s][n - 1])  # greedy's next output: its state is right
         self.blocks += 1
-        return self.heads.propose(features, token, width, vocab, topn, encoder_out)
+        self.log_probs.append(log_probs)
+        return self.heads.propose(features, token, width, vocab, topn, encoder_out, log_probs=log_probs)
 
     def crop(self, path, kept):
         if self.sentence is None:  # the first pass, on BOS alone
@@ -566,3 +567,13 @@ def test_a_stateful_proposer_is_cropped_and_reordered_as_sentences_leave(data_di
     for rows in proposer.reorders:
         assert set(rows) < set(previous) and rows == sorted(rows)
         previous = rows
+
+
+@pytest.mark.parametrize("confidence", [0.0, 0.2])
+def test_the_proposer_is_asked_for_log_probs_only_where_confidence_reads_them(data_dir, confidence):
+    model, task, sample, expected, references = eos_ending(data_dir)
+    proposer = RecordingProposer(model.decoder.heads, references)
+    options = BlockwiseOptions(max_len_b=20, confidence=confidence)
+    generator = BlockwiseGenerator(model, task.target_dictionary, options, proposer=proposer)
+    assert_same(expected, generator.generate([model], sample))
+    assert proposer.log_probs and set(proposer.log_probs) == {confidence > 0}
