@@ -24,24 +24,40 @@ def per_path(heads, features, token, path, vocab=0):
     return token
 
 
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("hidden", [(), ("--head-ffn-dim", "8")])
 @pytest.mark.parametrize("vocab", [0, 9])
-def test_each_node_follows_its_own_parent_one_link_per_depth(data_dir, vocab):
-    task, model, _ = chained(data_dir, 5, seed=2)
+def test_each_node_follows_its_own_parent_one_link_per_depth(data_dir, vocab, hidden, lean):
+    """On ChainWeights (lean; a hidden layer narrower than the features: logits through
+    W2 P) and on the modules (a hook on them)."""
+    task, model, _ = chained(data_dir, 5, *hidden, seed=2)
     heads = model.decoder.heads
+    for fc_out in heads.fc_out:  # biases that ChainWeights carries from link to link
+        fc_out.bias.data.normal_(0, 0.5)
     tree = Tree.best(default_rates(4), 16, 4)
     assert not tree.is_chain and any(p[0] > 0 and len(p) > 1 for p in tree.path_tuples()[1:])
     torch.manual_seed(0)
     features, token = torch.randn(6, 16, dtype=torch.float64), torch.randint(4, 28, (6,))
     proposals, _ = heads.propose(features, token, 5, vocab, tree.topn)
-    calls = []
+    handle = None if lean else heads.fc_in[0].register_forward_hook(lambda *args: None)
+    calls = []  # (depth, rows) of each link, the module's or ChainWeights'
     link = heads.link
-    heads.link = lambda d, f, t: calls.append((d, tuple(t.shape))) or link(d, f, t)
+    heads.link = lambda d, f, t: calls.append((d, t.numel())) or link(d, f, t)
     with torch.inference_mode():
+        weights = heads.decoding_weights(vocab)  # what nodes() finds (arranged under inference_mode)
+        assert (weights is not None) == lean
+        if lean:
+            lean_link = weights.link
+            weights.link = lambda i, g, t, *args: calls.append((i, t.numel())) or lean_link(i, g, t, *args)
         nodes = heads.nodes(proposals, tree, features, token, vocab)  # b x n-1
     del heads.link
+    if lean:
+        del weights.link
+    else:
+        handle.remove()
     # One batched link per depth, over that depth's parents: b x P_d rows.
     parents = [len(set(p.tolist())) for _, p in tree.levels]
-    assert calls == [(d, (6, count)) for d, count in enumerate(parents)]
+    assert calls == [(d, 6 * count) for d, count in enumerate(parents)]
     for v, path in enumerate(tree.path_tuples()[1:], start=1):
         assert nodes[:, v - 1].tolist() == per_path(heads, features, token, path, vocab).tolist(), path
     # The rank-0 path is propose()'s chain; the gather of propose() is not Hydra's tree.

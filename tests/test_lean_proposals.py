@@ -11,7 +11,8 @@ from test_draft import draft
 from test_generator import assert_same, blockwise, greedy
 from test_lean_iteration import Operations
 
-from fairseq_bpd.heads import ChainWeights, HeadWeights, decoding_logits
+from fairseq_bpd.heads import decoding_logits
+from fairseq_bpd.heads_step import ChainWeights, HeadWeights
 
 
 def random_inputs(model, bsz=5, seed=0):

@@ -1,0 +1,141 @@
+"""The proposal heads' decoding step (heads.py): their weights arranged once per change.
+
+Decoding runs the heads on one position's few rows each invocation, so their cost is the
+weights' reads and per-operation overhead, not arithmetic: HeadWeights and ChainWeights
+compute the same functions as the heads' modules (ProposalHeads.block_features, ChainedHeads.link,
+each followed by decoding_logits) on weights transposed, split and folded into tables once
+per change, in a few addmms a head. Training, hooks and weights that keep no version run the
+modules instead (Arranged.decoding_weights). They round differently from the modules, which
+is why the tests compare them in float64.
+"""
+import torch
+import torch.nn.functional as F
+
+from .static_pass import transposed
+
+
+class Arranged:
+    """What decoding runs a proposer's heads on: weights arranged once per change (arrange(),
+    given decoder.proposal_projection()), or None where they run as their modules do: in
+    training, under hooks, on a projection that is not a plain product, or on weights that
+    keep no version (inference_mode's: they would be arranged on every call)."""
+
+    def reads(self):
+        """The decoder's modules the heads read beyond their own (the embedding's table)."""
+        return ()
+
+    def arrange(self, columns, padding):
+        raise NotImplementedError
+
+    def decoding_weights(self, vocab, encoder_out=None):
+        """arrange()'s weights for proposals over the first `vocab` entries, arranged again
+        when any weight they come from changes (weights_key), or None (above).
+
+        Checked once per encoder output (a batch's, until sentences leave it): the check
+        reads every parameter, which costs as much as a link of a chain."""
+        from .decoder import weights_key  # the decoder imports the heads: no cycle at import
+
+        encoder = encoder_out["encoder_out"][0] if encoder_out and encoder_out.get("encoder_out") else None
+        if encoder is not None and getattr(self, "_checked", None) is encoder and self._weights_key[1] == vocab:
+            return self._weights
+        decoder, self._checked = self.decoder, None
+        if self.training or any(m._forward_hooks or m._forward_pre_hooks for m in (*self.modules(), *self.reads())):
+            return None
+        key = weights_key(*self.parameters(), *(m.weight for m in self.reads()), decoder.output_projection.weight)
+        if key is None:
+            return None
+        if getattr(self, "_weights_key", None) != (key, vocab):
+            projection = decoder.proposal_projection(vocab)
+            self._weights = None if projection is None else self.arrange(*projection)
+            self._weights_key = (key, vocab)
+        self._checked = encoder
+        return self._weights
+
+    def train(self, mode=True):
+        self._weights = self._weights_key = self._checked = None  # arranged for decoding only
+        return super().train(mode)
+
+
+class HeadWeights:
+    """ProposalHeads' layer and projection in decoding, on weights arranged once per change
+    (contiguous transposes for addmm): the same function as block_features() followed by
+    decoding_logits(), the proposals' slices of fc2 in one product."""
+
+    def __init__(self, heads, columns, padding):
+        """heads: ProposalHeads; columns C x N, padding N: decoder.proposal_projection()."""
+        self.fc1, self.fc2 = (transposed(heads.fc1), transposed(heads.fc2)) if heads.num_heads else (None, None)
+        self.first = 1 if heads.layout == "paper" else 0  # the layer's slice of head 2
+        self.columns, self.padding = columns, padding
+        self.activation = torch.relu_ if heads.activation_fn is F.relu else heads.activation_fn
+
+    def logits(self, features, width):
+        """Heads 2..width after features b x C: logits b x width-1 x N."""
+        (b, channels), proposals = features.shape, width - 1
+        rows = slice(self.first * channels, (self.first + proposals) * channels)
+        hidden = self.activation(torch.addmm(self.fc1[1], features, self.fc1[0]))  # b x nh*F
+        heads = torch.addmm(self.fc2[1][rows], hidden, self.fc2[0][:, rows]).view(b, proposals, channels)
+        heads = (heads + features[:, None]).view(b * proposals, channels)  # residual slices
+        return torch.addmm(self.padding, heads, self.columns).view(b, proposals, -1)
+
+
+class ChainWeights:
+    """ChainedHeads' links in decoding, on weights arranged once per change: the same
+    function as link() followed by decoding_logits(), in a lookup and three products a link.
+
+    Link i's first layer W1_i [f; s E y] + b1_i is split into its features' part and its
+    token's, the latter a table over the tokens the link can read (head 2 reads head 1's
+    choice: the dictionary; later heads a proposal: the shortlist's N). The fc_out biases
+    are carried, not added: the chain runs on g_i = f_i - c_i, c_i the sum of the biases
+    of links before i, which the next link's table (W1_i's features part times c_i) and
+    each head's projection bias (c_i P, beside padding's -inf) add back. Where the links'
+    hidden width H is below the features' C and the activation is relu, a later head's
+    logits are the head before's plus its hidden layer times W2_i P (H x N, read instead of
+    P's C x N) plus b2_i P, the latter as one more hidden unit, always 1 (relu(1) = 1).
+    """
+
+    def __init__(self, heads, columns, padding):
+        """heads: ChainedHeads; columns C x N, padding N: decoder.proposal_projection()."""
+        decoder = heads.decoder
+        channels, hidden = decoder.output_embed_dim, heads.fc_in[0].out_features
+        through = hidden < channels and heads.activation_fn is F.relu
+        embedded = decoder.embed_scale * decoder.embed_tokens.weight.detach()  # V x E
+        carried = columns.new_zeros(channels)  # c_i
+        self.columns, self.links = columns, []
+        for i, (fc_in, fc_out) in enumerate(zip(heads.fc_in, heads.fc_out)):
+            w_in, w_out = fc_in.weight.detach(), fc_out.weight.detach()  # H x (C + E), C x H
+            readable = embedded if i == 0 else embedded[: columns.size(1)]  # R x E
+            table = torch.addmm(torch.addmv(fc_in.bias.detach(), w_in[:, :channels], carried),
+                                readable, w_in[:, channels:].t())  # R x H
+            features_in, out, ahead = w_in[:, :channels].t(), w_out.t(), None  # C x H, H x C
+            if through:  # the unit: 1 in every row of the table, read by no features, adding b2_i P
+                table, features_in = F.pad(table, (0, 1), value=1.0), F.pad(features_in, (0, 1))
+                ahead = torch.cat([out @ columns, (fc_out.bias.detach() @ columns)[None]]) if i else None
+                out = F.pad(out, (0, 0, 0, 1))  # (H+1) x C: the unit adds nothing to g
+            carried = carried + fc_out.bias.detach()
+            self.links.append((features_in.contiguous(), table, out.contiguous(),
+                               torch.addmv(padding, columns.t(), carried), ahead))
+        self.activation = torch.relu_ if heads.activation_fn is F.relu else heads.activation_fn
+
+    def link(self, i, g, tokens, logits, last):
+        """Link i: g_i b x C, the tokens it reads (b) and head i+1's logits b x N (None at
+        head 1) -> g_(i+1) (None after the `last` link, where no one reads it) and head
+        i+2's logits b x N."""
+        features_in, table, out, bias, ahead = self.links[i]
+        hidden = self.activation(torch.addmm(table.index_select(0, tokens), g, features_in))  # b x H (+1)
+        if ahead is None:
+            g = torch.addmm(g, hidden, out)
+            return g, torch.addmm(bias, g, self.columns)
+        return None if last else torch.addmm(g, hidden, out), torch.addmm(logits, hidden, ahead)
+
+    def link_parents(self, i, g, logits, sources, tokens, last):
+        """Link i over a tree depth's parents (ChainedHeads.nodes), whose tokens b x P were
+        chosen from the rows `sources` (P) of the depth above's g b x P' x C and logits
+        b x P' x N (None at the root) -> the children's g (None after the `last` depth) and
+        logits, b x P x C and b x P x N: link() over the b*P rows."""
+        b, count = tokens.shape
+
+        def rows(x):  # b x P' x ... -> b*P x ...: each parent's row
+            return None if x is None else x[:, sources].reshape(b * count, x.size(-1))
+
+        g, logits = self.link(i, rows(g), tokens.reshape(-1), rows(logits), last)
+        return None if g is None else g.view(b, count, -1), logits.view(b, count, -1)
