@@ -81,7 +81,7 @@ class IncrementalCache:
         buffer["prev_key"], buffer["prev_value"], buffer["prev_key_padding_mask"] = k, v, padding_mask
         attention._set_input_buffer(self.state, buffer)
 
-    def crop(self, cached, block_width, keep, kept):
+    def crop(self, cached, block_width, keep, kept, counts=None):
         """Keep, after each sentence's cached prefix, only the chosen entries of the last block.
 
         Before the call each layer's self-attention cache holds, per sentence, `cached`
@@ -89,7 +89,7 @@ class IncrementalCache:
         mask (fairseq's attention reads it with the cache), then the `block_width` entries
         of the block just fed. keep: b x m, block positions in the order they stay (a
         chain's accepted prefix 0, 1, ...; a tree's accepted path); the first `kept` (b)
-        of them stay. Returns cached + kept.
+        of them stay (counts: the same on the host, a list, or None). Returns cached + kept.
 
         Attention ignores where a key sits (positions were added to the inputs), so a
         chain's rejected entries need no moving: they are cut off the end where every
@@ -103,7 +103,7 @@ class IncrementalCache:
         old_width = self.width() - block_width
         holes = self.layers[0].self_attn._get_input_buffer(self.state).get(
             "prev_key_padding_mask")  # b x W + block_width, or None: no holes
-        longest = int(kept.max())
+        longest = int(kept.max()) if counts is None else max(counts)
         offsets = torch.arange(longest, device=kept.device)
         beyond = offsets >= kept[:, None]  # b x longest: block entries a sentence rejected
         if bool(((keep[:, :longest] == offsets) | beyond).all()):  # every sentence keeps a chain prefix
@@ -313,9 +313,11 @@ class StaticCache:
         if layer == 0 and padding_mask is not None and bool(padding_mask.any()):
             self.source_mask = k.new_zeros(padding_mask.shape).masked_fill_(padding_mask.bool(), -math.inf)[:, None, None]
 
-    def crop(self, cached, block_width, keep, kept):
+    def crop(self, cached, block_width, keep, kept, counts=None):
         """Each row's length becomes cached + kept (b, the decoder's rows); a tree's kept path
-        keep b x m (block positions) is gathered to follow the prefix. Returns cached + kept."""
+        keep b x m (block positions) is gathered to follow the prefix. Returns cached + kept.
+        counts: kept on the host (a list), where the caller read it: rows as long before the
+        block then need no read for the longest and shortest after it."""
         lengths = cached + kept
         if self.tree:
             self.gather_path(cached, keep.clamp(max=block_width - 1))
@@ -326,7 +328,10 @@ class StaticCache:
         if block_width == 1:  # a block of one is kept whole: every row one longer, nothing to ask
             self.longest += 1
             return lengths
-        longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
+        if counts is not None and self.equal:  # every live row at self.longest before the block
+            longest, shortest = self.longest + max(counts), self.longest + min(counts)
+        else:
+            longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
         self.longest, self.equal = longest, longest == shortest
         return lengths
 

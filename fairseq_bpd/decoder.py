@@ -354,9 +354,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
         the host (an int: the static cache at batch 1 always), else None."""
         return self.cache(incremental_state).uniform_length()
 
-    def crop_cache(self, incremental_state, cached, block_width, keep, kept):
-        """Keep only the accepted entries of the last block (the cache's crop): cached + kept, b."""
-        return self.cache(incremental_state).crop(cached, block_width, keep, kept)
+    def crop_cache(self, incremental_state, cached, block_width, keep, kept, counts=None):
+        """Keep only the accepted entries of the last block (the cache's crop): cached + kept, b.
+        counts: kept as a host list, where the caller has read it (spares the cache a read)."""
+        return self.cache(incremental_state).crop(cached, block_width, keep, kept, counts)
 
     def position_table(self, size):
         """Positional embeddings of positions 0..size-1: size x C (learned or sinusoidal).

@@ -252,7 +252,7 @@ class BlockwiseGenerator(nn.Module):
                 verified = self.verify_block(lprobs, block, batch.score, limit, tree)
                 stock = self.take_stock(n, invocations, verified, known_length)
             node, kept, outputs, output_scores, added, finished = verified[:6]
-            ended, count = stock
+            ended, count, counts = stock
             self.policy.observe(n, kept, added, limit)
             # b x D+1: the accepted path's nodes, then padding (a block of one: its root for all)
             path = tree.paths.expand(node.size(0), -1) if n == 1 else tree.paths[node]
@@ -264,7 +264,7 @@ class BlockwiseGenerator(nn.Module):
                 batch.store(outputs, output_scores, added, block_attn, self.pad)
 
             # 5. Crop all but the accepted path out of the cache (and out of the proposer's state).
-            batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept)
+            batch.cached = decoder.crop_cache(incremental_state, batch.cached, n, path, kept, counts)
             self.proposer.keep(path, kept, features, block)
             # b x C, b x 1: the decoder output at the last accepted node, and head 1's choice after it
             if n == 1:
@@ -308,7 +308,7 @@ class BlockwiseGenerator(nn.Module):
         if n == 1:  # every sentence added one: no need to ask
             if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
                 self.stats.accepted[1] += added.size(0)
-            return None, 1 if known_length else None
+            return None, 1 if known_length else None, None
         if doubt:  # kept 0 (else at least 1): in doubt
             kept = kept.masked_fill(doubt[0], 0)
         kept, added, finished = torch.stack([kept, added, finished]).tolist()
@@ -318,7 +318,7 @@ class BlockwiseGenerator(nn.Module):
             self.stats.accepted.update(added)
         rows = [row for row, ended in enumerate(finished) if ended]
         same = known_length and not rows and min(kept) == max(kept)
-        return rows, kept[0] if same else None
+        return rows, kept[0] if same else None, kept
 
     def fused(self, tree):
         """Whether a block laid out as `tree` is verified by exact_chain: a chain under greedy's

@@ -180,3 +180,36 @@ def test_rows_apart_gather_their_mask_from_a_kept_table(data_dir):
         expected[:, length : length + 3] = chain
         assert torch.equal(mask[row, 0], expected)
     decode_blocks(sentences, [3, 2, 3])
+
+
+def test_a_crop_told_the_counts_reads_nothing_where_rows_were_as_long(data_dir, monkeypatch):
+    """crop_cache given kept as a host list (the generator's one read) leaves the cache as
+    the crop that reads kept itself does, and reads nothing from the device while the
+    rows were equally long before the block (it reads where they were not)."""
+    from conftest import random_sample
+
+    task, model, _ = build(data_dir, "--block-size", "4", seed=28, dtype=torch.float64)
+    decoder = model.decoder
+    encoder_out = model.encoder.forward_torchscript(random_sample(task, bsz=3, seed=28)["net_input"])
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    first = torch.full((3, 1), task.target_dictionary.eos())
+    path = torch.arange(3).expand(3, -1)
+    states = []
+    for told in (True, False):
+        state, cached = {}, torch.zeros(3, dtype=torch.long)
+        with torch.inference_mode():
+            decoder.forward_block(first, 0, encoder_out, state)
+            cached = decoder.crop_cache(state, cached, 1, path[:, :1], torch.ones(3, dtype=torch.long))
+            for kept in ([2, 2, 2], [3, 1, 2], [1, 1, 1]):
+                positions = cached[:, None] + torch.arange(3) if decoder.cached_length(state) is None else int(cached[0])
+                decoder.forward_block(torch.randint(4, 20, (3, 3)), positions, encoder_out, state, None, int(cached.max()) + 2)
+                equal_before = decoder.cached_length(state) is not None
+                reads.clear()
+                cached = decoder.crop_cache(state, cached, 3, path, torch.tensor(kept), kept if told else None)
+                assert (not reads) == (told and equal_before)
+                cache = decoder.cache(state)
+                states.append((cached.tolist(), cache.width(), cache.uniform_length()))
+    assert states[:3] == states[3:]
+    assert [s[2] for s in states[:3]] == [3, None, None]
