@@ -15,7 +15,7 @@ from fairseq.dataclass.configs import GenerationConfig
 
 from .acceptance import symbol_numbers
 from .errors import BlockwiseRequestError
-from .heads import shortlist_problem
+from .heads import HEAD_TYPES, shortlist_problem
 from .decoder import BlockwiseDecoder
 from .tree import MAX_TREE
 
@@ -212,8 +212,10 @@ def refuse_for_model(options, model, tgt_dict, proposer):
                f"{width} proposes with heads 2..{width}; measure them on this checkpoint "
                f"(scripts/tree_rates.py) or give --block-size {len(rates) + 1}")
     if options.sampling and not proposer.independent:
+        head_type = next((name for name, kind in HEAD_TYPES.items() if type(proposer) is kind),
+                         type(proposer).__name__)
         refuse("--sampling draws from independent heads' own distributions: this checkpoint's heads "
-               "are --head-type chained")
+               f"are --head-type {head_type}")
 
 
 def refuse_prefix(prefix_tokens, constraints):

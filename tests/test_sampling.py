@@ -413,3 +413,10 @@ def test_masked_holes_sample_as_gathering_every_block(data_dir, monkeypatch):
     gathered, _ = draw_all()
     assert watch.holes == 0
     assert_identical(held, gathered)
+
+
+@pytest.mark.parametrize("head_type", ["chained", "draft"])
+def test_sampling_with_heads_that_read_tokens_is_refused_naming_their_type(data_dir, head_type):
+    task, model, _ = build(data_dir, "--block-size", "4", "--head-type", head_type)
+    with pytest.raises(BlockwiseRequestError, match=f"heads are --head-type {head_type}$"):
+        SpeculativeSampler(model, task.target_dictionary, block_size=4)
