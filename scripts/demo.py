@@ -111,17 +111,17 @@ def main():
     run("scripts/calibrate_widths.py", "--data", data, "--path", checkpoint, "--if-missing", *["--cpu"] * args.cpu)
 
     step("decoding the test set at batch size 32 (all sentences, greedy and blockwise in turn, 1 run each)")
-    quality, run = speed(data, checkpoint, os.path.join(work, "quality"), 32, None, 1, args.examples, args.cpu)
+    quality, report = speed(data, checkpoint, os.path.join(work, "quality"), 32, None, 1, args.examples, args.cpu)
     step(f"decoding the test set at batch size 1 (first {args.timing_sentences} sentences, "
          f"greedy and blockwise in turn, {args.repeats} runs each)")
     timed, _ = speed(data, checkpoint, os.path.join(work, "speed"), 1, args.timing_sentences, args.repeats,
                      cpu=args.cpu)
 
-    show(quality, run, timed, args.repeats, work)
+    show(quality, report, timed, args.repeats, work)
     print(f"demo took {time.time() - start:.0f} s")
 
 
-def show(quality, run, timed, repeats, work):
+def show(quality, report, timed, repeats, work):
     """The demo's table (quality at batch 32, speed at batch 1 and 32), the plot and the examples."""
     names = ["greedy", *ROWS]
     chain = quality["k"]
@@ -149,8 +149,8 @@ def show(quality, run, timed, repeats, work):
     print(f"\nblock widths --blockwise chose (width:blocks): batch 1 {chose(timed['default'])}, "
           f"batch 32 {chose(quality['default'])}")
     print(f"accepted block sizes of the chain at k: {chain['accepted_histogram']} (plot: {os.path.relpath(png, ROOT)})")
-    print(f"timed on: {run['run']['device']}, commit {run['run']['commit']}")
-    for i, example in enumerate(run["examples"], 1):
+    print(f"timed on: {report['run']['device']}, commit {report['run']['commit']}")
+    for i, example in enumerate(report["examples"], 1):
         same = all(example[n] == example["greedy"] for n in ROWS)
         print(f"\ntest sentence {i} (greedy and blockwise {'identical' if same else 'DIFFERENT'})")
         for label, key in (("source", "source"), ("reference", "reference"), ("greedy", "greedy"),
