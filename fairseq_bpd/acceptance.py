@@ -59,9 +59,9 @@ def greedy_choice(scores, ranks):
     back to topk, whose choice among ties is fairseq's.
     """
     if ranks == 1:
-        found = unique_maximum(scores, keepdim=True)
-        if found is not None:
-            return found
+        found = maximum_by_reductions(scores, keepdim=True)
+        if found is not None and not bool(found[2]):
+            return found[:2]
     values, tokens = torch.topk(scores, k=max(2, ranks), dim=-1)
     return values[..., :ranks], tokens[..., :ranks]
 
@@ -80,13 +80,6 @@ def best_choice(scores, speculate=False):
     values, tokens = torch.topk(scores, k=2, dim=-1)
     values, tokens = values[..., 0], tokens[..., 0]
     return (values, tokens, values.isnan().any()) if speculate else (values, tokens)
-
-
-def unique_maximum(scores, keepdim):
-    """Each row's maximum and its index (... x 1 with keepdim, else ...), by reductions, where
-    there are CHOICE_BY_MAXIMUM rows or more and every row's maximum is its only one; else None."""
-    found = maximum_by_reductions(scores, keepdim)
-    return None if found is None or bool(found[2]) else found[:2]
 
 
 def maximum_by_reductions(scores, keepdim):
@@ -119,16 +112,24 @@ def running_scores(score, proposal_lprobs, tree):
     """The running score before each node's output: b x n, from score b and each
     candidate's log-prob after its parent, proposal_lprobs b x n-1."""
     if tree.is_chain:  # node j follows node j-1: the same sums, column by column
-        columns = [score]
-        for lprob in proposal_lprobs.unbind(1):
-            columns.append(columns[-1] + lprob)
-        return torch.stack(columns, dim=1)
+        return torch.stack(chain_sums(score, proposal_lprobs.unbind(1)), dim=1)
     running = proposal_lprobs.new_empty(score.size(0), proposal_lprobs.size(1) + 1,
                                         dtype=torch.promote_types(score.dtype, proposal_lprobs.dtype))
     running[:, 0] = score
     for nodes, parents in tree.levels:  # depth by depth: sequential sums, as fairseq's loop adds
         running[:, nodes] = running[:, parents] + proposal_lprobs[:, nodes - 1]
     return running
+
+
+def chain_sums(score, lprobs):
+    """The running score before each node of a chain, in fairseq's order (one float add a
+    node): score (b, or b x 1) and each proposal's log-prob after its parent (a sequence of
+    n-1 tensors of score's shape) -> a list of n. The one place a chain's sums are made, so
+    that exact_chain and verify round alike."""
+    columns = [score]
+    for lprob in lprobs:
+        columns.append(columns[-1] + lprob)
+    return columns
 
 
 class TopK:
@@ -278,9 +279,7 @@ def exact_chain(lprobs, block, score, limit, eos, speculate=False):
     """
     proposals = block[:, 1:]  # b x n-1
     # b x 1 columns, stacked b x n x 1: the running score before each node, broadcast over V.
-    columns = [score[:, None]]
-    for lprob in lprobs.gather(2, proposals[..., None]).unbind(1):  # each proposal's log-prob after its parent
-        columns.append(columns[-1] + lprob)
+    columns = chain_sums(score[:, None], lprobs.gather(2, proposals[..., None]).unbind(1))
     values, candidates, *doubt = best_choice(lprobs + torch.stack(columns, dim=1), speculate)  # b x n each
     passes = (candidates[:, :-1] == proposals) & (values[:, :-1] > -math.inf)  # b x n-1: TopK(1)
     kept = passes.cumprod(dim=1).sum(dim=1) + 1

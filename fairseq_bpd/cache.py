@@ -247,25 +247,28 @@ class StaticCache:
         makes no mask of its own. Kept per block mask (the mask itself is held, so its
         address is not another's) and made again when the buffer widens."""
         columns = self.kv.size(2)
-        key = ("prefix", id(block_mask), columns)
-        kept = self.block_masks.get(key)
-        if kept is None or kept[0] is not block_mask:
-            n = block_mask.size(0)
-            mask = self.kv.new_zeros(n, columns + n)
+
+        def make():
+            mask = self.kv.new_zeros(block_mask.size(0), columns + block_mask.size(0))
             mask[:, columns:] = block_mask
-            kept = self.block_masks[key] = (block_mask, mask)
-        return kept[1]
+            return mask
+
+        return self.kept_for(("prefix", id(block_mask), columns), block_mask, make)
 
     def row_table(self, block_mask, x):
         """n x n+2 in x's dtype: per block token, what it sees of a row's column before its block
         (0), in it (block_mask) and after it (-inf), which begin gathers at each row's
         offsets. Kept per block mask (held, as in prefix_mask)."""
-        key = ("table", id(block_mask), x.dtype, x.device)
+        n = block_mask.size(0)
+        return self.kept_for(("table", id(block_mask), x.dtype, x.device), block_mask, lambda: torch.cat(
+            [block_mask.new_zeros(n, 1), block_mask, block_mask.new_full((n, 1), -math.inf)], 1).to(x))
+
+    def kept_for(self, key, block_mask, make):
+        """make() kept under `key` (holding an id of block_mask) beside the mask itself, and made
+        again where the key's entry was made for another mask (one freed, its address reused)."""
         kept = self.block_masks.get(key)
         if kept is None or kept[0] is not block_mask:
-            n = block_mask.size(0)
-            table = torch.cat([block_mask.new_zeros(n, 1), block_mask, block_mask.new_full((n, 1), -math.inf)], 1)
-            kept = self.block_masks[key] = (block_mask, table.to(x))
+            kept = self.block_masks[key] = (block_mask, make())
         return kept[1]
 
     def is_chain(self, block_mask):

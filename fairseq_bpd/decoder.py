@@ -243,16 +243,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
         is a plain nn.Embedding with no hooks (the module's call, and F.embedding's checks of
         options decoding does not use, cost more than the lookup of a block)."""
         module = self.embed_tokens
-        if self.plain_embedding():
+        if (type(module) is nn.Embedding and module.max_norm is None and not module._forward_hooks
+                and not module._forward_pre_hooks):
             return torch.embedding(module.weight, tokens)
         return module(tokens)
-
-    def plain_embedding(self):
-        """Whether the token embedding is a plain nn.Embedding with no hooks, which decoding may
-        look up in its weight alone."""
-        module = self.embed_tokens
-        return (type(module) is nn.Embedding and module.max_norm is None and not module._forward_hooks
-                and not module._forward_pre_hooks)
 
     def positions_for(self, cache, size):
         """position_table(size) or longer, kept by a StaticCache for its batch: the weights do
