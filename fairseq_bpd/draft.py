@@ -14,10 +14,9 @@ from torch import nn
 from fairseq import utils
 from fairseq.modules import LayerNorm, MultiheadAttention
 
-from .errors import BlockwiseRequestError
 from .heads import (Proposer, after_head1, chain_proposals, choose, decoding_logits, following_tokens,
                     no_proposals, shortlist_logits)
-from .draft_step import DraftState, DraftWeights, Waiting, decode_step
+from .draft_step import DraftState, DraftWeights, Waiting, decode_step, tree_plan
 from .targets import shift_target
 
 
@@ -55,10 +54,14 @@ class DraftDecoder(nn.Module, Proposer):
     head i predicts (the reference in training, head i's proposal in decoding), and
     attends to the accepted prefix's entries and to its own earlier steps, exactly in
     training (one pass per step over every position, each position's steps seeing only
-    their own) as in decoding. W_out starts at zero: every head starts as head 1.
+    their own) as in decoding. A tree (nodes()) is drafted per node: each node's step reads
+    its parent's drafted output and its own token and sees its own ancestors' steps, what
+    the chain's step reads on that node's path. W_out starts at zero: every head starts as
+    head 1.
     """
 
     independent = False  # each step reads the proposal before it
+    nodes_read_proposals = False  # nodes() drafts each node after its own ancestors
     cache_columns = 64  # the decoding cache's columns at a batch's start (doubled when full)
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
@@ -155,8 +158,9 @@ class DraftDecoder(nn.Module, Proposer):
 
     def keep(self, path, kept, features, block):
         """The accepted positions before the last (its features come with propose()) wait,
-        with their next tokens, to be fed on the next propose(): features b x n x C and
-        block b x n along path b x D+1, the first kept - 1 of them."""
+        with their next tokens, to be fed on the next first step: features b x n x C and
+        block b x n (a chain's, or a tree's nodes) along path b x D+1 (node indices), the
+        first kept - 1 of them."""
         if self.state is None or not self.state.proposed:
             # No proposal led to this block: a new batch's first (on BOS alone), the state
             # a finished batch's. Dropped here, so that reorder cannot adopt it.
@@ -208,14 +212,11 @@ class DraftDecoder(nn.Module, Proposer):
         """Heads 2..width after the last accepted position, one draft step after another:
         `topn` best tokens each (the Proposer protocol).
 
-        The first step also feeds the accepted positions waiting since keep(), in one pass
-        with the last one (features b x C, after which head 1 chose `token` b); each later
-        step reads the step before and its best token, in columns past the accepted prefix,
-        under one mask made for all of them.
+        The first step (first_step) feeds the accepted positions waiting since keep(); each
+        later step reads the step before and its best token, in columns past the accepted
+        prefix, under one mask made for all of them.
         """
-        state = self.sync(features, encoder_out)
-        drafted = self.feed_accepted(state, features, token)  # b x C
-        state.proposed = True
+        state, drafted = self.first_step(features, token, encoder_out)
         if width <= 1:
             return no_proposals(features, topn, log_probs)
         if width > 2:
@@ -230,6 +231,15 @@ class DraftDecoder(nn.Module, Proposer):
             token, best = choose(logits[-1], topn)
             chosen.append(best)
         return chain_proposals(chosen, logits, topn, log_probs)
+
+    def first_step(self, features, token, encoder_out):
+        """The state and the block's first draft step b x C after the last accepted position
+        (features b x C, after which head 1 chose `token` b): fed once a block (feed_accepted),
+        by propose() or nodes(), whichever comes first (--blockwise-confidence calls both)."""
+        state = self.sync(features, encoder_out)
+        if not state.proposed:
+            state.root, state.proposed = self.feed_accepted(state, features, token), True
+        return state, state.root
 
     def feed_accepted(self, state, features, token):
         """Feed the waiting accepted positions and the last one (features b x C, token b):
@@ -256,4 +266,32 @@ class DraftDecoder(nn.Module, Proposer):
         return drafted
 
     def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
-        raise BlockwiseRequestError("--head-type draft proposes chains only: decode without --blockwise-tree")
+        """A tree drafted per node, as Hydra's (Ankner et al., 2024; the Proposer protocol):
+        tokens b x n-1, each node's children after the node's own path, not the best chain's.
+
+        The root's children are the best tokens of the first step (features b x C, `token`
+        b); node v at depth d >= 1, its token t_v chosen from its parent's drafted features
+        g, drafts its children by the step that reads g and t_v, in column length + o_v
+        (TreePlan) under a mask that shows it the accepted prefix and its own ancestors'
+        entries: the chain's step on v's path. One step per depth over all its parents at
+        once, b x P_d rows. `proposals` are not read (propose(), where --blockwise-confidence
+        calls it, has made the first step already).
+        """
+        state, g = self.first_step(features, token, encoder_out)
+        g = g[:, None]  # b x P x C: each parent's step, the root's first
+        plan, b = tree_plan(tree), token.size(0)
+        if plan.entries:
+            used = state.longest + plan.entries
+            state.reserve(used)
+            masks = state.tree_mask(plan, used)  # b x 1 x O x used
+        chosen = token.new_empty(b, tree.size)  # b x n: each node's token
+        chosen[:, 0] = token
+        for d, (parents, sources, children, rows, ranks, topn) in enumerate(tree.hydra):
+            if d > 0:  # the depth-d parents' steps, each after the row its token came from
+                entries = slice(plan.starts[d], plan.starts[d] + len(parents))
+                columns = state.length[:, None] + state.positions[entries]  # b x P
+                g = decode_step(state, g[:, sources].reshape(-1, g.size(-1)), chosen[:, parents].reshape(-1),
+                                columns, masks[:, :, entries]).view(b, len(parents), -1)
+            best = decoding_logits(self.decoder, g, vocab).topk(topn, dim=-1)[1]  # b x P x topn
+            chosen[:, children] = best[:, rows, ranks]
+        return chosen[:, 1:]

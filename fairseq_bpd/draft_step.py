@@ -9,6 +9,7 @@ every length it needs). It rounds differently from training's pass, which is why
 tests compare them in float64.
 """
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -56,14 +57,16 @@ class DraftState:
     columns past `length` are a proposal's and are overwritten); length: b, entries of the
     accepted prefix, at most `longest` (host int); source: the encoder output's keys and
     values b x H x S x d and its additive mask b x 1 x 1 x S; pending: Waiting, or None;
-    proposed: whether the block being verified is this state's proposal; encoder: the
-    encoder tensor these belong to; weights: DraftWeights.
+    proposed: whether the block being verified is this state's proposal (its first step
+    made: the next proposal's waits for keep); root: that first step's drafted features
+    b x C, which a tree's nodes read after propose() made them; encoder: the encoder tensor
+    these belong to; weights: DraftWeights.
     """
 
     def __init__(self, kv, source_keys, source_values, source_mask, encoder, weights):
         self.kv, self.weights, self.encoder = kv, weights, encoder
         self.length = torch.zeros(kv.size(0), dtype=torch.long, device=kv.device)
-        self.longest, self.pending, self.proposed = 0, None, False
+        self.longest, self.pending, self.proposed, self.root = 0, None, False, None
         self.source_keys, self.source_values, self.source_mask = source_keys, source_values, source_mask
         self.rows = torch.arange(kv.size(0), device=kv.device)
         self.column_rows = self.rows[:, None]  # b x 1: each row's index beside its columns
@@ -101,6 +104,44 @@ class DraftState:
         later = self.positions[:used] > columns[..., None]  # b x m x used
         return self.kv.new_zeros(later.shape).masked_fill_(later, -math.inf)[:, None]
 
+    def tree_mask(self, plan, used):
+        """The additive self-attention mask of a tree's entries (TreePlan: entry o in column
+        length + o of its row): each sees its row's accepted prefix and its own ancestors'
+        entries and itself, never a sibling's or a cousin's, b x 1 x O x used."""
+        past = (self.positions[:used] - self.length[:, None] + 1).clamp_(0, plan.table.size(1) - 1)  # b x used
+        hidden = ~plan.table[:, past].transpose(0, 1)  # b x O x used
+        return self.kv.new_zeros(hidden.shape).masked_fill_(hidden, -math.inf)[:, None]
+
+
+class TreePlan:
+    """Where a tree's drafted entries go (DraftDecoder.nodes): the nodes with children below
+    the root, O of them in tree.hydra's order (depth by depth), entry o in column length + o.
+    starts: per depth of tree.hydra, the offset of its parents' first entry (the root's
+    depth: none, its step is the accepted prefix's last entry); table: O x O+2 bools, which
+    columns entry o sees by the column's offset past the prefix plus one: 0 (the prefix) and
+    its own and its ancestors' entries, never O+1 (every column past the tree)."""
+
+    def __init__(self, tree):
+        parents = [depth[0] for depth in tree.hydra[1:]]
+        self.starts, start = [None], 0
+        for nodes in parents:
+            self.starts.append(start)
+            start += len(nodes)
+        self.entries = start
+        order = torch.cat(parents) if parents else tree.ancestors.new_zeros(0, dtype=torch.long)
+        seen = tree.ancestors[order][:, order]  # O x O: its own and its ancestors' entries
+        self.table = torch.cat([seen.new_ones(start, 1), seen, seen.new_zeros(start, 1)], dim=1)
+
+
+_plans = weakref.WeakKeyDictionary()  # per tree, made once: a generator keeps its trees
+
+
+def tree_plan(tree):
+    """TreePlan(tree), made again only where the tree moved to another device."""
+    plan = _plans.get(tree)
+    if plan is None or plan.table.device != tree.ancestors.device:
+        plan = _plans[tree] = TreePlan(tree)
+    return plan
 
 
 def decode_step(state, features, tokens, columns, mask):

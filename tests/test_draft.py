@@ -8,7 +8,6 @@ from test_generator import assert_same, blockwise, ending_at_block_offsets, gree
 
 from fairseq_bpd.draft import DraftDecoder
 from fairseq_bpd.draft_step import Waiting, decode_step
-from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.generator import BlockwiseGenerator
 from fairseq_bpd.heads import Proposer, decoding_logits, following_tokens
 from fairseq_bpd.options import BlockwiseOptions
@@ -276,16 +275,6 @@ def test_adaptive_widths_give_greedy_output(data_dir):
     options = BlockwiseOptions(max_len_b=20, adaptive=True)
     generator = options.generator(model, task.target_dictionary)
     assert_same(expected, generator.generate([model], sample))
-
-
-def test_a_tree_is_refused_by_its_flag(data_dir):
-    task, model = random_draft(data_dir, 4, seed=1)
-    sample = random_sample(task, bsz=2, seed=1)
-    generator = BlockwiseGenerator(model, task.target_dictionary, BlockwiseOptions(max_len_b=20, tree=4))
-    with pytest.raises(BlockwiseRequestError, match="--blockwise-tree"):
-        generator.generate([model], sample)
-
-
 
 
 def attention_by_hand(attention, query, context, heads):
