@@ -42,6 +42,13 @@ def keys_values(attention, x):
     return split_heads(attention.k_proj(x), h), split_heads(attention.v_proj(x), h)
 
 
+def encoder_states(encoder_out):
+    """The encoder output S x b x C that the draft attends to (a ValueError where none is given)."""
+    if encoder_out is None or not encoder_out["encoder_out"]:
+        raise ValueError("the draft decoder reads the encoder output: pass encoder_out")
+    return encoder_out["encoder_out"][0]
+
+
 class DraftDecoder(nn.Module, Proposer):
     """Heads 2..k as the autoregressive steps of one Transformer decoder layer.
 
@@ -103,9 +110,7 @@ class DraftDecoder(nn.Module, Proposer):
 
     def source(self, encoder_out):
         """The encoder output's keys and values b x H x S x d, and where to attend b x 1 x S."""
-        if encoder_out is None or not encoder_out["encoder_out"]:
-            raise ValueError("the draft decoder reads the encoder output: pass encoder_out")
-        enc = encoder_out["encoder_out"][0].transpose(0, 1)  # b x S x C
+        enc = encoder_states(encoder_out).transpose(0, 1)  # b x S x C
         padding = encoder_out["encoder_padding_mask"]
         allowed = ~padding[0][:, None] if padding else enc.new_ones(enc.size(0), 1, enc.size(1), dtype=torch.bool)
         return (*keys_values(self.encoder_attn, enc), allowed)
@@ -201,7 +206,7 @@ class DraftDecoder(nn.Module, Proposer):
 
     def sync(self, features, encoder_out):
         """The state for this call: a new batch (another encoder output) starts afresh."""
-        state, encoder = self.state, encoder_out["encoder_out"][0]
+        state, encoder = self.state, encoder_states(encoder_out)  # before its first read
         if state is None or (state.encoder is not None and state.encoder is not encoder) \
                 or state.length.size(0) != features.size(0):
             self.start(features, encoder_out)
