@@ -172,11 +172,18 @@ class DraftDecoder(nn.Module, Proposer):
             self.state = None
             return
         self.state.proposed = False
-        # One device round trip a block: the waiting count and the longest prefix after them.
-        most, longest = torch.stack([kept.max(), (self.state.length + kept).max()]).tolist()
-        nodes = path[:, : most - 1]  # b x m
-        waiting = features.gather(1, nodes[..., None].expand(-1, -1, features.size(-1)))  # b x m x C
-        following = block.gather(1, path[:, 1:most])  # b x m
+        if features.size(0) == 1:  # batch 1: the row's own lengths, one device round trip a block
+            most = int(kept)
+            if most == 1:  # nothing waits: the next first step feeds the last position alone
+                self.state.pending = None
+                return
+            longest, row = self.state.longest + most, path[0]
+            waiting, following = features.index_select(1, row[: most - 1]), block.index_select(1, row[1:most])
+        else:  # one device round trip a block: the waiting count and the longest prefix after them
+            most, longest = torch.stack([kept.max(), (self.state.length + kept).max()]).tolist()
+            nodes = path[:, : most - 1]  # b x m
+            waiting = features.gather(1, nodes[..., None].expand(-1, -1, features.size(-1)))  # b x m x C
+            following = block.gather(1, path[:, 1:most])  # b x m
         self.state.pending = Waiting(waiting, following, kept - 1, longest)
 
     def reorder(self, rows):
@@ -186,10 +193,11 @@ class DraftDecoder(nn.Module, Proposer):
     def start(self, features, encoder_out):
         """A fresh state for the batch whose encoder output is `encoder_out`."""
         keys, values, allowed = self.source(encoder_out)
-        source_mask = keys.new_zeros(allowed.shape).masked_fill_(~allowed, -math.inf)[:, None]  # b x 1 x 1 x S
-        b, h = features.size(0), self.self_attn.num_heads
-        kv = features.new_zeros(b, 2, h, self.cache_columns, features.size(-1) // h)
-        self.state = DraftState(kv, keys, values, source_mask, encoder_out["encoder_out"][0], self.weights())
+        source_mask = None  # where no row has padding (asked once a batch)
+        if not allowed.all():
+            source_mask = keys.new_zeros(allowed.shape).masked_fill_(~allowed, -math.inf)[:, None]  # b x 1 x 1 x S
+        cache = features.new_zeros(features.size(0), self.cache_columns, 3 * features.size(-1))
+        self.state = DraftState(cache, keys, values, source_mask, encoder_out["encoder_out"][0], self.weights())
 
     def weights(self):
         """DraftWeights, arranged again when any weight they come from changes (weights_key)."""
@@ -219,18 +227,23 @@ class DraftDecoder(nn.Module, Proposer):
 
         The first step (first_step) feeds the accepted positions waiting since keep(); each
         later step reads the step before and its best token, in columns past the accepted
-        prefix, under one mask made for all of them.
+        prefix, under one mask made for all of them (at batch 1 none: each step's window of
+        the cache ends at its own column).
         """
         state, drafted = self.first_step(features, token, encoder_out)
         if width <= 1:
             return no_proposals(features, topn, log_probs)
+        alone = features.size(0) == 1  # batch 1: each step in the column the host knows, no mask
         if width > 2:
             state.reserve(state.longest + width - 2)
-            columns = state.length[:, None] + state.positions[: width - 2]  # b x width-2: each later step's
-            masks = state.mask(columns, state.longest + width - 2)  # b x 1 x width-2 x used
+            if not alone:
+                columns = state.length[:, None] + state.positions[: width - 2]  # b x width-2: each later step's
+                masks = state.mask(columns, state.longest + width - 2)  # b x 1 x width-2 x used
         chosen, logits = [], []
         for i in range(width - 1):
-            if i > 0:  # head i+2's step reads head i+1's: one entry, in column length + i - 1
+            if i > 0 and alone:  # head i+2's step reads head i+1's: one entry, in column length + i - 1
+                drafted = decode_step(state, drafted, token, None, None, state.longest + i - 1)
+            elif i > 0:
                 drafted = decode_step(state, drafted, token, columns[:, i - 1 : i], masks[:, :, i - 1 : i])
             logits.append(decoding_logits(self.decoder, drafted, vocab))  # b x N
             token, best = choose(logits[-1], topn)
@@ -250,6 +263,8 @@ class DraftDecoder(nn.Module, Proposer):
         """Feed the waiting accepted positions and the last one (features b x C, token b):
         the draft's first step, b x C. The accepted prefix grows by them."""
         pending, state.pending = state.pending, None
+        if features.size(0) == 1:
+            return self.feed_alone(state, pending, features, token)
         if pending is None or pending.features.size(1) == 0:  # the last position alone
             count, longest = (0, state.longest + 1) if pending is None else (pending.count, pending.longest)
             inputs, tokens = features[:, None], token[:, None]  # b x 1
@@ -263,11 +278,26 @@ class DraftDecoder(nn.Module, Proposer):
         # the longest prefix before + m (overwritten later); real entries see < longest.
         state.reserve(state.longest + inputs.size(1))
         columns = state.length[:, None] + state.positions[: inputs.size(1)]  # b x m+1
-        drafted = decode_step(state, inputs.reshape(-1, inputs.size(-1)), tokens.reshape(-1), columns,
-                              state.mask(columns, longest))  # b*(m+1) x C
-        if inputs.size(1) > 1:
-            drafted = drafted.view(inputs.shape)[state.rows, count]  # b x C
+        if inputs.size(1) == 1:
+            drafted = decode_step(state, features, token, columns, state.mask(columns, longest))  # b x C
+        else:  # each row's last entry alone is made: of the others the draft keeps their keys and values
+            made = (state.length + count)[:, None]  # b x 1: its column
+            drafted = decode_step(state, inputs.reshape(-1, inputs.size(-1)), tokens.reshape(-1), columns,
+                                  state.mask(made, longest), None, count)  # b x C: start None, last
         state.length, state.longest = state.length + count + 1, longest
+        return drafted
+
+    def feed_alone(self, state, pending, features, token):
+        """feed_accepted at batch 1, where every waiting position is real and the host knows
+        the row's prefix (state.longest): its m+1 entries in columns longest.., of which only
+        the last's features are made. Features 1 x C, token 1 -> 1 x C."""
+        start, inputs, tokens = state.longest, features, token
+        if pending is not None and pending.features.size(1):
+            inputs = torch.cat([pending.features[0], features])  # m+1 x C
+            tokens = torch.cat([pending.tokens[0], token])  # m+1
+        state.reserve(start + inputs.size(0))
+        drafted = decode_step(state, inputs, tokens, None, None, start, True)  # last
+        state.length, state.longest = state.length + inputs.size(0), start + inputs.size(0)
         return drafted
 
     def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
@@ -289,14 +319,21 @@ class DraftDecoder(nn.Module, Proposer):
             used = state.longest + plan.entries
             state.reserve(used)
             masks = state.tree_mask(plan, used)  # b x 1 x O x used
+            if b == 1:  # batch 1: a depth's entries in columns the host knows, O x used
+                masks = masks[0, 0]
         chosen = token.new_empty(b, tree.size)  # b x n: each node's token
         chosen[:, 0] = token
         for d, (parents, sources, children, rows, ranks, topn) in enumerate(tree.hydra):
             if d > 0:  # the depth-d parents' steps, each after the row its token came from
                 entries = slice(plan.starts[d], plan.starts[d] + len(parents))
-                columns = state.length[:, None] + state.positions[entries]  # b x P
-                g = decode_step(state, g[:, sources].reshape(-1, g.size(-1)), chosen[:, parents].reshape(-1),
-                                columns, masks[:, :, entries]).view(b, len(parents), -1)
-            best = decoding_logits(self.decoder, g, vocab).topk(topn, dim=-1)[1]  # b x P x topn
+                inputs, tokens = g[:, sources].reshape(-1, g.size(-1)), chosen[:, parents].reshape(-1)
+                if b == 1:
+                    g = decode_step(state, inputs, tokens, None, masks[entries], state.longest + entries.start)
+                else:
+                    columns = state.length[:, None] + state.positions[entries]  # b x P
+                    g = decode_step(state, inputs, tokens, columns, masks[:, :, entries])
+                g = g.view(b, len(parents), -1)
+            logits = decoding_logits(self.decoder, g, vocab)  # b x P x N
+            best = logits.argmax(-1, keepdim=True) if topn == 1 else logits.topk(topn, dim=-1)[1]  # b x P x topn
             chosen[:, children] = best[:, rows, ranks]
         return chosen[:, 1:]

@@ -4,9 +4,11 @@ Decoding runs the draft's layer k-1 times an invocation on a few rows, so its co
 products' weights and per-operation overhead, not arithmetic: the step computes the same
 function as the layer that training runs (DraftDecoder.entry, .layer), on weights arranged
 once per change (one product for q, k and v; W_in's token half a table of every token's
-term), writes its keys and values in place, and asks the device nothing (the host knows
-every length it needs). It rounds differently from training's pass, which is why the
-tests compare them in float64.
+term; the layer norms' affine folded into the products after them; relu's second bias a
+hidden unit), and asks the device nothing (the host knows every length it needs). Its q,
+k and v product is written in the cache, in place; at batch 1, where every column is known
+on the host, the product writes it there itself and a chain's steps need no mask. It
+rounds differently from training's pass, which is why the tests compare them in float64.
 """
 import math
 import weakref
@@ -15,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .static_pass import norm, product, transposed
+from .static_pass import merge_heads, product, split_heads, transposed
 
 
 class Waiting(NamedTuple):
@@ -29,11 +31,25 @@ class Waiting(NamedTuple):
     longest: int
 
 
+def folded(norm, *linears):
+    """The linears' product after `norm` with the norm's affine folded in (γ into the rows
+    of Wᵀ, β Wᵀ + b into the bias): LN(x) Wᵀ + b = n(x) (γ Wᵀ) + (β Wᵀ + b), n(x) the plain
+    normalisation, so that the step's norms scale nothing. C x out and out."""
+    weight, bias = transposed(*linears)
+    if norm.weight is None:
+        return weight, bias
+    return norm.weight.detach()[:, None] * weight, torch.addmv(bias, weight.t(), norm.bias.detach())
+
+
 class DraftWeights:
     """The draft's decoding weights, arranged once per change: products as x · Wᵀ on
-    contiguous copies (static_pass.transposed), the self-attention's q, k and v in one, and
-    W_in's token half folded into a table: entry z = f · W_fᵀ + table[x], with
-    table = (s E) W_tᵀ + b_in for every token (one row lookup instead of a product and a cat)."""
+    contiguous copies (static_pass.transposed), each layer norm's affine folded into the
+    product after it (folded), the self-attention's q, k and v in one, and W_in's token half
+    folded into a table: entry z = f · W_fᵀ + table[x], with table = (s E) W_tᵀ + b_in for
+    every token (one row lookup instead of a product and a cat). Under relu the
+    feed-forward's second bias is one more hidden unit, always 1 (its pre-activation's
+    weights 0, its bias 1; relu(1) = 1), so that its product adds it and the residual:
+    ffn2 is then (weights, None)."""
 
     def __init__(self, draft):
         decoder, width = draft.decoder, draft.fc_in.weight.size(0)
@@ -42,67 +58,107 @@ class DraftWeights:
         self.table = torch.addmm(draft.fc_in.bias.detach(), embedded, w_in[:, width:].t())  # V x C
         self.features_in = w_in[:, :width].t().contiguous()  # C x C
         attention, source = draft.self_attn, draft.encoder_attn
-        self.qkv = transposed(attention.q_proj, attention.k_proj, attention.v_proj)  # C x 3C
-        self.self_out, self.source_query = transposed(attention.out_proj), transposed(source.q_proj)
-        self.source_out, self.fc_out = transposed(source.out_proj), transposed(draft.fc_out)
-        self.ffn1, self.ffn2 = transposed(draft.ffn1), transposed(draft.ffn2)
+        self.qkv = folded(draft.self_attn_norm, attention.q_proj, attention.k_proj, attention.v_proj)  # C x 3C
+        self.self_out, self.source_out = transposed(attention.out_proj), transposed(source.out_proj)
+        self.source_query = folded(draft.encoder_attn_norm, source.q_proj)
+        self.ffn1, self.ffn2 = folded(draft.ffn_norm, draft.ffn1), transposed(draft.ffn2)
+        self.fc_out = folded(draft.final_norm, draft.fc_out)
         self.heads, self.activation_fn = attention.num_heads, draft.activation_fn
-        self.norms = (draft.self_attn_norm, draft.encoder_attn_norm, draft.ffn_norm, draft.final_norm)
+        if draft.activation_fn is F.relu:
+            (w1, b1), (w2, b2) = self.ffn1, self.ffn2
+            self.ffn1 = F.pad(w1, (0, 1)), F.pad(b1, (0, 1), value=1.0)  # C x F+1: the unit
+            self.ffn2, self.activation_fn = (torch.cat([w2, b2[None]]), None), torch.relu_  # F+1 x C
+        self.eps = tuple(norm.eps for norm in (draft.self_attn_norm, draft.encoder_attn_norm, draft.ffn_norm,
+                                                draft.final_norm))
 
 
 class DraftState:
     """What the draft keeps across a batch's blocks, one row per sentence.
 
-    kv: b x 2 x H x L x d, its self-attention keys and values (zeros where never written;
-    columns past `length` are a proposal's and are overwritten); length: b, entries of the
-    accepted prefix, at most `longest` (host int); source: the encoder output's keys and
-    values b x H x S x d and its additive mask b x 1 x 1 x S; pending: Waiting, or None;
-    proposed: whether the block being verified is this state's proposal (its first step
-    made: the next proposal's waits for keep); root: that first step's drafted features
-    b x C, which a tree's nodes read after propose() made them; encoder: the encoder tensor
-    these belong to; weights: DraftWeights.
+    cache: b x L x 3C, each entry's self-attention query, keys and values side by side, as
+    its product makes them (zeros where never written; columns past `length` are a
+    proposal's and are overwritten); length: b, entries of the accepted prefix, at most
+    `longest` (host int; at batch 1 the row's own); source: the encoder output's keys and
+    values b x H x S x d and its additive mask b x 1 x 1 x S (None where no row has
+    padding); pending: Waiting, or None; proposed: whether the block being verified is this
+    state's proposal (its first step made: the next proposal's waits for keep); root: that
+    first step's drafted features b x C, which a tree's nodes read after propose() made
+    them; encoder: the encoder tensor these belong to; weights: DraftWeights.
     """
 
-    def __init__(self, kv, source_keys, source_values, source_mask, encoder, weights):
-        self.kv, self.weights, self.encoder = kv, weights, encoder
-        self.length = torch.zeros(kv.size(0), dtype=torch.long, device=kv.device)
+    def __init__(self, cache, source_keys, source_values, source_mask, encoder, weights):
+        self.cache, self.weights, self.encoder = cache, weights, encoder
+        self.length = torch.zeros(cache.size(0), dtype=torch.long, device=cache.device)
         self.longest, self.pending, self.proposed, self.root = 0, None, False, None
         self.source_keys, self.source_values, self.source_mask = source_keys, source_values, source_mask
-        self.rows = torch.arange(kv.size(0), device=kv.device)
+        self.rows = torch.arange(cache.size(0), device=cache.device)
         self.column_rows = self.rows[:, None]  # b x 1: each row's index beside its columns
-        self.positions = torch.arange(kv.size(3), device=kv.device)
+        self.positions = torch.arange(cache.size(1), device=cache.device)
         self.last_window = None
 
+    @property
+    def kv(self):
+        """The cache's keys and values, b x 2 x H x L x d (a view)."""
+        b, columns, width = self.cache.shape
+        return self.cache[..., width // 3:].view(b, columns, 2, self.weights.heads, -1).permute(0, 2, 3, 1, 4)
+
     def select(self, rows):
-        for name in ("kv", "length", "source_keys", "source_values", "source_mask"):
+        for name in ("cache", "length", "source_keys", "source_values"):
             setattr(self, name, getattr(self, name)[rows])
+        if self.source_mask is not None:
+            self.source_mask = self.source_mask[rows]
         if self.pending is not None:
             self.pending = self.pending._replace(features=self.pending.features[rows],
                                                  tokens=self.pending.tokens[rows], count=self.pending.count[rows])
+        if len(rows) == 1:  # batch 1 steps on the row's own lengths: made exact on the host here
+            self.alone()
         self.rows = self.rows[: len(rows)]
         self.column_rows, self.last_window = self.rows[:, None], None
         self.encoder = None  # the generator reorders the encoder output too: adopt the next one
 
+    def alone(self):
+        """The one row left of a batch: `longest` its own prefix, and its waiting positions
+        only the real ones (longest after them its own), as keep() leaves them at batch 1.
+        One device round trip, where sentences leave the batch."""
+        if self.pending is None:
+            self.longest = int(self.length[0])
+            return
+        self.longest, count = torch.stack([self.length[0], self.pending.count[0]]).tolist()
+        self.pending = Waiting(self.pending.features[:, :count], self.pending.tokens[:, :count],
+                               self.pending.count, self.longest + count + 1)
+
     def reserve(self, columns):
         """Room for `columns` entries in every row (doubling, so that growth is rare)."""
-        if columns > self.kv.size(3):
-            grown = self.kv.new_zeros(*self.kv.shape[:3], max(columns, 2 * self.kv.size(3)), self.kv.size(4))
-            grown[:, :, :, : self.kv.size(3)] = self.kv
-            self.kv, self.last_window = grown, None
-            self.positions = torch.arange(grown.size(3), device=grown.device)
+        if columns > self.cache.size(1):
+            grown = self.cache.new_zeros(self.cache.size(0), max(columns, 2 * self.cache.size(1)), self.cache.size(2))
+            grown[:, : self.cache.size(1)] = self.cache
+            self.cache, self.last_window = grown, None
+            self.positions = torch.arange(grown.size(1), device=grown.device)
 
     def window(self, used):
-        """The cache's first `used` columns as keys and values, b x H x used x d: views,
-        made once while the cache stays (a proposal's steps all see the same window)."""
+        """The cache's first `used` columns as keys and values, b x H x used x d: strided
+        views, made again when `used` changes (a proposal's steps share one window, except
+        at batch 1, where each sees one column more)."""
         if self.last_window is None or self.last_window[0] != used:
-            self.last_window = (used, self.kv[:, 0, :, :used], self.kv[:, 1, :, :used])
+            b, columns, width = self.cache.shape
+            heads, channels = self.weights.heads, width // 3
+            shape, strides = (b, heads, used, channels // heads), (columns * width, channels // heads, width, 1)
+            offset = self.cache.storage_offset()
+            self.last_window = (used, self.cache.as_strided(shape, strides, offset + channels),
+                                self.cache.as_strided(shape, strides, offset + 2 * channels))
         return self.last_window[1:]
+
+    def slot(self, start, m):
+        """Columns start..start+m of the one row's cache (batch 1), m x 3C: where the step's
+        product writes its queries, keys and values."""
+        width = self.cache.size(2)
+        return self.cache.as_strided((m, width), (width, 1), self.cache.storage_offset() + start * width)
 
     def mask(self, columns, used):
         """The additive self-attention mask of entries at `columns` (b x m): each sees the
         columns up to its own, b x 1 x m x used."""
         later = self.positions[:used] > columns[..., None]  # b x m x used
-        return self.kv.new_zeros(later.shape).masked_fill_(later, -math.inf)[:, None]
+        return self.cache.new_zeros(later.shape).masked_fill_(later, -math.inf)[:, None]
 
     def tree_mask(self, plan, used):
         """The additive self-attention mask of a tree's entries (TreePlan: entry o in column
@@ -110,7 +166,7 @@ class DraftState:
         entries and itself, never a sibling's or a cousin's, b x 1 x O x used."""
         past = (self.positions[:used] - self.length[:, None] + 1).clamp_(0, plan.table.size(1) - 1)  # b x used
         hidden = ~plan.table[:, past].transpose(0, 1)  # b x O x used
-        return self.kv.new_zeros(hidden.shape).masked_fill_(hidden, -math.inf)[:, None]
+        return self.cache.new_zeros(hidden.shape).masked_fill_(hidden, -math.inf)[:, None]
 
 
 class TreePlan:
@@ -144,30 +200,52 @@ def tree_plan(tree):
     return plan
 
 
-def decode_step(state, features, tokens, columns, mask):
+def decode_step(state, features, tokens, columns, mask, start=None, last=None):
     """The draft layer's function (DraftDecoder.entry and .layer) in decoding, on
     DraftWeights: b sentences' m entries each, row by row (features b*m x C, tokens b*m),
     written at `columns` (b x m) of their rows' cache, under `mask` (b x 1 x m x L,
-    DraftState.mask) -> drafted features b*m x C."""
-    w, (b, m), channels = state.weights, columns.shape, features.size(1)
+    DraftState.mask) -> drafted features b*m x C.
+
+    At batch 1 `start` (a host int) places the m entries at columns start.. instead
+    (columns None), where the product writes them itself (DraftState.slot), under `mask`
+    (m x L, a tree's) or none: then they see the columns up to the last of them, which is
+    all that one entry sees. last: only one entry's features of each row are made, b x C
+    (the others are accepted positions, of which the draft keeps only their keys and
+    values): each row's entry last (b), under `mask` b x 1 x 1 x L for them; at batch 1
+    (True, no mask) the last entry.
+    """
+    w, channels, eps = state.weights, features.size(1), state.weights.eps
     z = torch.addmm(w.table.index_select(0, tokens), features, w.features_in)  # b*m x C
-    qkv = product(norm(w.norms[0], z), w.qkv)  # b*m x 3C
-    state.kv[state.column_rows, :, :, columns] = qkv[:, channels:].view(b, m, 2, w.heads, -1)
-    y = attention(qkv[:, :channels], *state.window(mask.size(-1)), mask, b, m, w.heads)
+    normed = torch.layer_norm(z, (channels,), None, None, eps[0])
+    if start is None:
+        (b, m), used = columns.shape, mask.size(-1)
+        qkv = product(normed, w.qkv)  # b*m x 3C
+        state.cache[state.column_rows, columns] = qkv.view(b, m, -1)
+        if last is not None:
+            made = state.rows * m + last  # b: each row's entry
+            z, features, qkv, m = z.index_select(0, made), features.index_select(0, made), qkv.index_select(0, made), 1
+    else:
+        b, m = 1, features.size(0)
+        used = start + m if mask is None else mask.size(-1)
+        qkv = torch.addmm(w.qkv[1], normed, w.qkv[0], out=state.slot(start, m))  # m x 3C, in the cache
+        if last and m > 1:
+            z, features, qkv, m = z[-1:], features[-1:], qkv[-1:], 1
+    y = attention(qkv, *state.window(used), mask, b, m, w.heads, channels)
     z = z + product(y, w.self_out)
-    q = product(norm(w.norms[1], z), w.source_query)
-    z = z + product(attention(q, state.source_keys, state.source_values, state.source_mask, b, m, w.heads),
-                    w.source_out)
-    z = z + product(w.activation_fn(product(norm(w.norms[2], z), w.ffn1)), w.ffn2)
-    return features + product(norm(w.norms[3], z), w.fc_out)
+    q = product(torch.layer_norm(z, (channels,), None, None, eps[1]), w.source_query)
+    y = attention(q, state.source_keys, state.source_values, state.source_mask, b, m, w.heads, channels)
+    z = z + product(y, w.source_out)
+    hidden = w.activation_fn(product(torch.layer_norm(z, (channels,), None, None, eps[2]), w.ffn1))
+    if w.ffn2[1] is None:  # the bias unit: the product adds the bias and the residual
+        z = torch.addmm(z, hidden, w.ffn2[0])
+    else:
+        z = z + product(hidden, w.ffn2)
+    return features + product(torch.layer_norm(z, (channels,), None, None, eps[3]), w.fc_out)
 
 
-def attention(q, keys, values, mask, b, m, heads):
-    """Queries b*m x C over keys, values b x H x L x d under the additive mask
-    (b x 1 x m x L or b x 1 x 1 x L) -> b*m x C."""
-    if m == 1:  # b x 1 x H x d and b x H x 1 x d are the same memory: no transposes
-        y = F.scaled_dot_product_attention(q.view(b, heads, 1, -1), keys, values, attn_mask=mask)
-        return y.reshape(b, -1)
-    q = q.view(b, m, heads, -1).transpose(1, 2)  # b x H x m x d
-    y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return y.transpose(1, 2).reshape(b * m, -1)
+def attention(q, keys, values, mask, b, m, heads, channels):
+    """Queries: the first C columns of q (b*m x C or wider, as the q, k, v product makes
+    them), over keys, values b x H x L x d under the additive mask (b x 1 x m x L, b x 1 x 1 x
+    L, m x L, or None) -> b*m x C."""
+    y = F.scaled_dot_product_attention(split_heads(q, b, m, heads, 0, channels), keys, values, attn_mask=mask)
+    return merge_heads(y, b, m)
