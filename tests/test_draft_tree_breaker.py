@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import PLUGIN, random_sample
-from test_draft import draft, random_draft
+from test_draft import draft, random_draft, teacher_forced
 from test_draft_tree import WatchedTree, assert_nodes_teacher_forced
 from test_generator import assert_same, blockwise, greedy
 
@@ -45,6 +45,22 @@ def watched_decode(model, task, sample, references, place, size, **options):
     return hypos, proposer, generator
 
 
+def assert_first_steps_near_teacher_forced(model, task, sample, references, proposer):
+    """Every block's first draft step (WatchedTree.first), nodes()'s or propose()'s, is the teacher-forced draft's on the whole prefix, within 1e-6: the base's
+    features in a tree's block pass differ from the full prefix's by about 1e-7 (fairseq's
+    float32 attention softmax), as in assert_nodes_teacher_forced."""
+    pad, eos = task.target_dictionary.pad(), task.target_dictionary.eos()
+    inputs = torch.nn.utils.rnn.pad_sequence([torch.cat([torch.tensor([eos]), r]) for r in references],
+                                             batch_first=True, padding_value=pad)
+    block = teacher_forced(model, sample, inputs)[2]  # B x T x k x C
+    firsts = [(s, j, features) for sentence, position, drafted in proposer.first
+              for s, j, features in zip(sentence.tolist(), position.tolist(), drafted)
+              if j < len(references[s])]  # none past the output's end
+    got, want = torch.stack([f for *_, f in firsts]), torch.stack([block[s, j, 1] for s, j, _ in firsts])
+    assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
+    assert {s for s, *_ in firsts} == set(range(len(references)))  # every sentence's
+
+
 # k, nodes, batch, max_len_b, the draft cache's first columns, EOS bias, options
 SHAPES = [
     (3, 5, 13, 20, 64, 0.6, {}),
@@ -74,10 +90,44 @@ def test_trees_of_many_shapes_draft_every_node_on_its_own_path(
     hypos, proposer, generator = watched_decode(model, task, sample, references, place, size,
                                                 max_len_b=max_len_b, **options)
     assert_same(expected, hypos)
+    assert_first_steps_near_teacher_forced(model, task, sample, references, proposer)
     assert_nodes_teacher_forced(model, task, sample, references, proposer)
     assert max(generator.stats.accepted) > 2 and not generator.layout.is_chain
     if bsz > 1:
         assert len({len(t[0]) for t in proposer.trees}) > 1  # sentences left mid-batch
+
+
+# k, nodes, batch, max_len_b, the draft cache's first columns, EOS bias, confidence
+CUT = [
+    (3, 24, 1, 90, 3, 0.4, 0.7),
+    (4, 8, 2, 20, 3, 0.0, 0.5),
+    (3, 24, 3, 20, 64, 0.4, 0.5),
+    (6, 8, 1, 90, 64, 0.4, 0.7),
+    (6, 24, 3, 20, 3, 0.0, 0.5),
+]
+
+
+@pytest.mark.parametrize("k,size,bsz,max_len_b,columns,bias,confidence", CUT)
+def test_trees_cut_hard_by_confidence_at_small_batches(
+        data_dir, monkeypatch, k, size, bsz, max_len_b, columns, bias, confidence):
+    """--blockwise-confidence cuts trees at several depths (propose() makes the first step,
+    nodes() drafts the cut tree), at batch 1 and as a batch shrinks to it: every first step
+    and every node stays the teacher-forced draft's."""
+    monkeypatch.setattr(DraftDecoder, "cache_columns", columns)
+    task, model = eos_biased(data_dir, k, seed=0, bias=bias)
+    sample = random_sample(task, bsz=bsz, seed=bsz)
+    expected = greedy(model, task, sample, max_len_b=max_len_b)
+    references = [e["tokens"] for e in expected]
+    rng = random.Random(k * size)
+    place = lambda s: rng.choice([0, 0, 1, 2, None, "never"])  # noqa: E731
+    hypos, proposer, generator = watched_decode(model, task, sample, references, place, size,
+                                                max_len_b=max_len_b, confidence=confidence)
+    assert_same(expected, hypos)
+    assert_first_steps_near_teacher_forced(model, task, sample, references, proposer)
+    if k > 2:  # deeper than the first step
+        assert_nodes_teacher_forced(model, task, sample, references, proposer)
+    sizes = {tree.size for _, _, tree, *_ in proposer.trees}
+    assert min(sizes) < generator.layout.size and len(sizes) > 1  # trees cut, at several depths
 
 
 @pytest.mark.parametrize("options", [{"min_block": 3}, {"topk": 2}, {"topk": 2, "min_block": 2, "confidence": 0.1}])
