@@ -80,12 +80,8 @@ def product(x, weights):
     return torch.addmm(bias, x, weight)
 
 
-def norm(module, x):
-    return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
-
-
 def normed(params, x):
-    """norm() from norm_params: x ... x C -> ... x C."""
+    """The layer norm whose norm_params these are: x ... x C -> ... x C."""
     return torch.layer_norm(x, *params)
 
 
