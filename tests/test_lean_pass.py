@@ -150,13 +150,17 @@ def test_the_projection_of_a_block_is_one_product_bit_for_bit(data_dir, vocab):
     decoder = model.decoder
     x = torch.randn(2, 3, decoder.output_embed_dim)
     with torch.inference_mode():
-        expected = torch.mm(x.view(6, -1), decoder.transposed_projection()).view(2, 3, -1)
-        expected = expected[..., :vocab] if vocab else expected
+        columns = decoder.transposed_projection()
+        full = torch.mm(x.view(6, -1), columns).view(2, 3, -1)
+        # A shortlist is its own product: MKL's kernels on some CPUs (AVX-512) round the
+        # first N columns of the full product differently, so compare like with like.
+        expected = torch.mm(x.view(6, -1), columns[:, :vocab]).view(2, 3, -1) if vocab else full
         decoder.project(x, vocab)
         with Operations() as ops:
             logits = decoder.project(x, vocab)
         transposed = decoder.project(x.transpose(0, 1).contiguous().transpose(0, 1), vocab)
     assert torch.equal(logits, expected) and torch.equal(transposed, expected)
+    assert torch.allclose(logits, full[..., :vocab] if vocab else full, atol=1e-5)
     assert ops.names == ["aten.matmul.default"] or vocab and len(ops.names) == 2, ops.names
 
 
