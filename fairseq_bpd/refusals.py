@@ -190,8 +190,8 @@ def refuse_for_model(options, model, tgt_dict, proposer):
     if not 1 <= options.topk < vocab_size:
         refuse(f"--blockwise-topk must be between 1 and {vocab_size - 1}, below the target "
                f"dictionary's {vocab_size} entries (got {options.topk})")
+    where = f"--block-size {k}" if k is not None else f"the checkpoint's {heads} heads"  # what set the width
     if options.min_block > width:
-        where = f"--block-size {k}" if k is not None else f"the checkpoint's {heads} heads"
         refuse(f"--blockwise-min-block {options.min_block} is larger than the block: at most the block "
                f"width in effect, {width} ({where})")
     problem = shortlist_problem("--blockwise-proposal-vocab", options.proposal_vocab, tgt_dict)
@@ -208,8 +208,9 @@ def refuse_for_model(options, model, tgt_dict, proposer):
                    f"(such as pixel intensities), but its {problem}")
     rates = options.tree_rates
     if options.tree and rates is not None and len(rates) < width - 1:  # else the tree silently stops short
-        refuse(f"--blockwise-tree-rates hold rates for heads 2..{len(rates) + 1}, but --block-size "
-               f"{width} proposes with heads 2..{width}; measure them on this checkpoint "
+        covered = "head 2" if len(rates) == 1 else f"heads 2..{len(rates) + 1}"
+        refuse(f"--blockwise-tree-rates hold rates for {covered} only, but the block ({where}) "
+               f"proposes with heads 2..{width}; measure them on this checkpoint "
                f"(scripts/tree_rates.py) or give --block-size {len(rates) + 1}")
     if options.sampling and not proposer.independent:
         head_type = next((name for name, kind in HEAD_TYPES.items() if type(proposer) is kind),

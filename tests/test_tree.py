@@ -311,13 +311,17 @@ def test_rates_for_fewer_heads_than_the_block_are_refused(data_dir, tmp_path):
     rates.write_text(json.dumps({"rates": [[0.9, 0.5]]}))
     task, model, _ = build(data_dir, "--block-size", "4", "--blockwise", "--blockwise-tree", "8",
                            "--blockwise-tree-rates", str(rates))
-    message = "^--blockwise: --blockwise-tree-rates hold rates for heads 2..2, but --block-size 4 proposes with heads 2..4"
+    message = ("^--blockwise: --blockwise-tree-rates hold rates for head 2 only, but the block "
+               r"\(--block-size 4\) proposes with heads 2..4")
     with pytest.raises(ValueError, match=message):
         task.build_generator([model], Namespace(beam=1))
     task.cfg.block_size = 2  # what they cover
     assert task.build_generator([model], Namespace(beam=1)).layout.path_tuples() == [(), (0,), (1,)]
     task.cfg.block_size = 3
-    with pytest.raises(ValueError, match="--block-size 3 proposes with heads 2..3.* give --block-size 2$"):
+    with pytest.raises(ValueError, match=r"\(--block-size 3\) proposes with heads 2..3.* give --block-size 2$"):
+        task.build_generator([model], Namespace(beam=1))
+    task.cfg.block_size = None  # the checkpoint's k: no flag to name
+    with pytest.raises(ValueError, match=r"for head 2 only, but the block \(the checkpoint's 4 heads\)"):
         task.build_generator([model], Namespace(beam=1))
 
 
