@@ -281,8 +281,9 @@ class StaticCache:
         return self.chain_masks[key]
 
     def write(self, layer, y, weights, heads):
-        """Layer `layer`'s block product, y (B*n x C) · weights (C x 3C, then its 3C bias: the
-        queries', keys' and values' side by side), made into the cache (begin says where).
+        """Layer `layer`'s block product, y (B*n x C) · weights (a product.Product of C x 3C and
+        its 3C bias: the queries', keys' and values' side by side), made into the cache (begin
+        says where).
         Returns the product (B*n x 3C, any row stride: its queries are the block's) and the
         keys and values to attend to, B x h x W x d each (W = max(lengths) + n): strided
         views of the buffer, made directly (slicing, viewing and transposing each is three
@@ -294,11 +295,11 @@ class StaticCache:
         if self.slab is not None:
             out = buffer.as_strided((rows * self.n, width), (self.slab, 1), start + self.longest * column_stride)
             if y.requires_grad:  # out= is refused under autograd (decoding runs without it)
-                product = out.copy_(torch.addmm(weights[1], y, weights[0]))
+                product = out.copy_(weights(y))
             else:
-                product = torch.addmm(weights[1], y, weights[0], out=out)
+                product = weights(y, out=out)
         else:
-            product = torch.addmm(weights[1], y, weights[0])
+            product = weights(y)
             buffer.as_strided((rows * columns, width), (column_stride, 1), start).index_copy_(0, self.index, product)
         channels = width // 3
         shape, strides = (rows, heads, self.longest + self.n, channels // heads), (row_stride, channels // heads,

@@ -21,6 +21,7 @@ from fairseq.models.transformer import TransformerDecoderBase
 from .block_layer import block_layer, unsupported
 from .cache import IncrementalCache, StaticCache
 from .heads import HEAD_TYPES
+from .product import Product
 from .static_pass import LeanWeights, static_pass
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
                 return self.output_layer(x)[..., :vocab]
             return self.output_layer(x)
         columns = self.transposed_projection()  # C x V
-        columns = columns[:, :vocab] if vocab else columns
+        if not vocab and isinstance(columns, Product):  # the whole vocabulary: head 1's scores
+            return columns(x.reshape(-1, x.size(-1))).view(*x.shape[:-1], columns[0].size(1))
+        columns = columns[0][:, :vocab] if vocab else columns[0]
         if x.is_contiguous() and not x.requires_grad:  # matmul folds the rows into the same mm
             return torch.matmul(x, columns)
         # One 2-D product over all rows (x may be a transposed view: matmul would batch it).
@@ -115,9 +118,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
             columns = weight.detach().t()[:, :vocab] if vocab else weight.detach().t()
             return columns, self.padding_bias(columns)
         if getattr(self, "_proposal_key", None) != (key, vocab):
-            columns = self.transposed_projection()
+            columns = self.transposed_projection()[0]
             columns = columns[:, :vocab].contiguous() if vocab else columns
-            self._proposal, self._proposal_key = (columns, self.padding_bias(columns)), (key, vocab)
+            self._proposal, self._proposal_key = Product(columns, self.padding_bias(columns)), (key, vocab)
         return self._proposal
 
     def padding_bias(self, columns):
@@ -128,7 +131,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
         return bias
 
     def transposed_projection(self):
-        """The output projection's weight transposed, contiguous: C x V, for decoding only.
+        """The output projection's weight transposed, contiguous, C x V, with a bias of zeros, as
+        a product.Product, for decoding only (a plain (C x V view, None) where nothing tells a change).
 
         Copied again whenever the weight changes (.to(), .double(), load_state_dict: see
         weights_key); after training (train()) it is dropped. No gradient flows through it.
@@ -136,9 +140,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
         weight = self.output_projection.weight
         key = weights_key(weight)
         if key is None:  # nothing would tell an in-place change: nn.Linear's product, no copy
-            return weight.detach().t()
+            return weight.detach().t(), None
         if getattr(self, "_transposed_key", None) != key:
-            self._transposed = weight.detach().t().contiguous()
+            columns = weight.detach().t().contiguous()
+            self._transposed = Product(columns, columns.new_zeros(columns.size(1)))
             self._transposed_key = key
         return self._transposed
 

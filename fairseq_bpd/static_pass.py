@@ -22,18 +22,20 @@ import torch
 import torch.nn.functional as F
 
 from .block_layer import attend
+from .product import Product
 
 
 def transposed(*linears, scale=None):
     """The linears' weights side by side, transposed and contiguous (C x sum of outputs), and
-    their biases (zeros where none); `scale` multiplies the first one's, as fairseq scales q."""
+    their biases (zeros where none), as a Product; `scale` multiplies the first one's, as
+    fairseq scales q."""
     weights, biases = [], []
     for i, module in enumerate(linears):
         factor = scale if scale is not None and i == 0 else 1.0
         weights.append(module.weight.detach() * factor)
         bias = module.bias.detach() if module.bias is not None else module.weight.new_zeros(module.out_features)
         biases.append(bias * factor)
-    return torch.cat(weights).t().contiguous(), torch.cat(biases).contiguous()
+    return Product(torch.cat(weights).t().contiguous(), torch.cat(biases).contiguous())
 
 
 def norm_params(module):
@@ -49,8 +51,8 @@ def activation(function):
 
 
 class LeanWeights:
-    """What the lean pass reads of each layer, arranged once: products as x · Wᵀ (addmm on a
-    contiguous C x out copy; nn.Linear's x · Wᵀ on the out x C weight re-packs it per call),
+    """What the lean pass reads of each layer, arranged once: products as x · Wᵀ (product.Product:
+    a weight packed once; nn.Linear's x · Wᵀ on the out x C weight re-packs it per call),
     layer norms as their plain parameters (norm_params)."""
 
     def __init__(self, layers):
@@ -76,8 +78,7 @@ class LeanWeights:
 
 
 def product(x, weights):
-    bias, weight = weights[1], weights[0]
-    return torch.addmm(bias, x, weight)
+    return weights(x)
 
 
 def normed(params, x):

@@ -1,0 +1,50 @@
+"""Decoding's products x · W + b, on a weight arranged once (W C x N, contiguous).
+
+On a CPU, MKL's addmm packs W into its own layout on every call: for the handful of rows a
+block has, that costs more than the product itself, and each further row costs about as
+much as the first. oneDNN's linear reads a weight it packed once (the kernel torch.compile
+uses on CPUs after freezing), so a block of several rows costs little more than one.
+Product holds both: the packed copy where it applies (float32 on a CPU with oneDNN; not
+under autograd), MKL's addmm otherwise, float64 included, so the tests' exactness checks
+run the same code paths' fallbacks. Either rounds differently from fairseq's own step, as
+any block pass does. $FAIRSEQ_BPD_PACKED=0 turns the packed copies off (measurements of
+before and after).
+"""
+import os
+
+import torch
+
+PACKED_VARIABLE = "FAIRSEQ_BPD_PACKED"
+# oneDNN picks its weight layout for a row count; 32 served 1 to 128 rows alike (measured).
+PACKING_ROWS = 32
+# One row by a small weight is MKL's matrix-vector product, which oneDNN's call overhead
+# does not beat; a weight this large (an output projection) it does, even for one row.
+ONE_ROW_PACKED_SIZE = 1 << 20
+
+
+def packing_applies(weight):
+    """Whether a packed copy of `weight` (C x N) serves decoding here."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.requires_grad
+            and os.environ.get(PACKED_VARIABLE, "1") != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Product(tuple):
+    """(W C x N, bias N), as the code before it reads them, and x -> x · W + bias.
+
+    A tuple, so that whatever slices W or the bias (a shortlist's columns) reads them as before."""
+
+    def __new__(cls, weight, bias):
+        self = super().__new__(cls, (weight, bias))
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.t(), PACKING_ROWS)
+                       if packing_applies(weight) else None)
+        return self
+
+    def __call__(self, x, out=None):
+        """x M x C (rows at any stride) -> M x N, into `out` where given."""
+        weight, bias = self
+        if (self.packed is None or x.dtype != torch.float32 or x.requires_grad or x.device.type != "cpu"
+                or x.size(0) == 1 and weight.numel() < ONE_ROW_PACKED_SIZE):
+            return torch.addmm(bias, x, weight) if out is None else torch.addmm(bias, x, weight, out=out)
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return y if out is None else out.copy_(y)
