@@ -26,6 +26,7 @@ def packing_applies(weight):
     """Whether a packed copy of `weight` (C x N) serves decoding here."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.requires_grad
             and os.environ.get(PACKED_VARIABLE, "1") != "0" and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
