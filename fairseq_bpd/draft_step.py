@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .product import Product
 from .static_pass import merge_heads, product, split_heads, transposed
 
 
@@ -37,8 +38,8 @@ def folded(norm, *linears):
     normalisation, so that the step's norms scale nothing. C x out and out."""
     weight, bias = transposed(*linears)
     if norm.weight is None:
-        return weight, bias
-    return norm.weight.detach()[:, None] * weight, torch.addmv(bias, weight.t(), norm.bias.detach())
+        return Product(weight, bias)
+    return Product(norm.weight.detach()[:, None] * weight, torch.addmv(bias, weight.t(), norm.bias.detach()))
 
 
 class DraftWeights:
@@ -66,7 +67,7 @@ class DraftWeights:
         self.heads, self.activation_fn = attention.num_heads, draft.activation_fn
         if draft.activation_fn is F.relu:
             (w1, b1), (w2, b2) = self.ffn1, self.ffn2
-            self.ffn1 = F.pad(w1, (0, 1)), F.pad(b1, (0, 1), value=1.0)  # C x F+1: the unit
+            self.ffn1 = Product(F.pad(w1, (0, 1)), F.pad(b1, (0, 1), value=1.0))  # C x F+1: the unit
             self.ffn2, self.activation_fn = (torch.cat([w2, b2[None]]), None), torch.relu_  # F+1 x C
         self.eps = tuple(norm.eps for norm in (draft.self_attn_norm, draft.encoder_attn_norm, draft.ffn_norm,
                                                 draft.final_norm))
