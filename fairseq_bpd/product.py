@@ -41,6 +41,12 @@ class Product(tuple):
                        if packing_applies(weight) else None)
         return self
 
+    def __reduce__(self):
+        # copy.deepcopy and pickle rebuild it from (W, bias), packing the copy's own W anew:
+        # a tuple subclass would otherwise be rebuilt from one argument, and the packed copy
+        # (an opaque oneDNN tensor) cannot be copied.
+        return Product, tuple(self)
+
     def __call__(self, x, out=None):
         """x M x C (rows at any stride) -> M x N, into `out` where given."""
         weight, bias = self

@@ -52,3 +52,22 @@ def test_the_variable_turns_packing_off_and_autograd_takes_addmm(monkeypatch):
     y.sum().backward()
     assert torch.allclose(x.grad, weight.sum(1).expand(4, -1), atol=1e-5)
     assert product[0] is weight and product[1] is bias  # read as the (weight, bias) pair it replaced
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_product_survives_deepcopy_and_pickle_with_its_own_packed_copy(dtype):
+    """A model deep-copied (fairseq's EMA, a test's copy) carries its cached Products."""
+    import copy
+    import io
+
+    weight, bias = weights(64, 96, dtype=dtype)
+    product = Product(weight, bias)
+    x = torch.randn(3, 64, dtype=dtype)
+    buffer = io.BytesIO()
+    torch.save(product, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(product), torch.load(buffer, weights_only=False)):
+        assert type(clone) is Product and clone[0] is not weight
+        assert torch.equal(clone[0], weight) and torch.equal(clone[1], bias)
+        assert (clone.packed is None) == (product.packed is None)
+        assert torch.equal(clone(x), product(x))
