@@ -206,6 +206,9 @@ def refuse_for_model(options, model, tgt_dict, proposer):
         if problem:  # refused outside the except: a chained refusal prints a traceback
             refuse(f"--blockwise-distance {options.distance} needs a target dictionary of numbers "
                    f"(such as pixel intensities), but its {problem}")
+    if options.tree and width < 2:  # else the tree silently decodes greedily, one token a block
+        refuse(f"--blockwise-tree {options.tree} proposes with heads 2 and after, but the block "
+               f"({where}) has head 1 alone; give --block-size 2 or more")
     rates = options.tree_rates
     if options.tree and rates is not None and len(rates) < width - 1:  # else the tree silently stops short
         covered = "head 2" if len(rates) == 1 else f"heads 2..{len(rates) + 1}"

@@ -358,3 +358,14 @@ def test_random_tree_paths_among_masked_holes_give_greedy_output(data_dir, size,
     assert_same(expected, hypos)
     assert len(generator.stats.accepted) > 2
     assert watch.compactions > 0 or bsz == 1  # gathers of a cache whose columns were masked
+
+
+def test_a_tree_in_a_block_of_head_1_alone_is_refused(data_dir):
+    """--block-size 1 leaves no head to propose a node with: the tree would decode greedily."""
+    task, model, _ = build(data_dir, "--block-size", "3", "--blockwise", "--blockwise-tree", "8")
+    task.cfg.block_size = 1
+    with pytest.raises(ValueError, match=r"^--blockwise: --blockwise-tree 8 proposes with heads 2 and "
+                                         r"after, but the block \(--block-size 1\) has head 1 alone"):
+        task.build_generator([model], Namespace(beam=1))
+    task.cfg.block_size = 2
+    assert task.build_generator([model], Namespace(beam=1)).layout.path_tuples()[:2] == [(), (0,)]
