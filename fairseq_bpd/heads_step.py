@@ -4,14 +4,43 @@ Decoding runs the heads on one position's few rows each invocation, so their cos
 weights' reads and per-operation overhead, not arithmetic: HeadWeights and ChainWeights
 compute the same functions as the heads' modules (ProposalHeads.block_features, ChainedHeads.link,
 each followed by decoding_logits) on weights transposed, split and folded into tables once
-per change, in a few addmms a head. Training, hooks and weights that keep no version run the
+per change, in a few products a head. Training, hooks and weights that keep no version run the
 modules instead (Arranged.decoding_weights). They round differently from the modules, which
 is why the tests compare them in float64.
+
+At batch 8 and up (and a tree's depth at any batch) each product runs a block of rows, so
+the products are product.Products: MKL's addmm packs its weight again on every call, the
+packed copy once. A product that adds a matrix (a residual, a table's rows) or a link's own
+bias is a Plus: the packed product and one add where that pays, addmm otherwise.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
+from .product import ONE_ROW_PACKED_SIZE, Product, packing_applies
 from .static_pass import transposed
+
+
+class Plus:
+    """x -> x · W + addend, the addend a matrix (a residual, a table's rows) or a vector other
+    than a bias of W's own (a link's, on the projection all links share): where the packed
+    copy pays, product.Product's packed product of no bias and an add, else one addmm (bit for
+    bit the arranged weights' product before Products: float64, autograd, batch 1)."""
+
+    def __init__(self, weight):
+        """weight W C x N, contiguous."""
+        self.weight, self.product = weight, Product(weight, weight.new_zeros(weight.size(1)))
+        # The add is one more operation, which a small weight's packed product pays for only
+        # over many rows (a link's 256 x 129: slower packed at 8 rows, even at 32, faster at
+        # 64): packed from the rows where rows x W's entries reach ONE_ROW_PACKED_SIZE.
+        self.rows = math.ceil(ONE_ROW_PACKED_SIZE / weight.numel()) if packing_applies(weight) else math.inf
+
+    def __call__(self, x, addend):
+        """x M x C, addend M x N or N -> M x N."""
+        if x.size(0) >= self.rows and x.dtype == torch.float32 and not x.requires_grad:
+            return self.product(x).add_(addend)
+        return torch.addmm(addend, x, self.weight)
 
 
 class Arranged:
@@ -58,24 +87,33 @@ class Arranged:
 
 class HeadWeights:
     """ProposalHeads' layer and projection in decoding, on weights arranged once per change
-    (contiguous transposes for addmm): the same function as block_features() followed by
+    (Products on contiguous transposes): the same function as block_features() followed by
     decoding_logits(), the proposals' slices of fc2 in one product."""
 
     def __init__(self, heads, columns, padding):
         """heads: ProposalHeads; columns C x N, padding N: decoder.proposal_projection()."""
         self.fc1, self.fc2 = (transposed(heads.fc1), transposed(heads.fc2)) if heads.num_heads else (None, None)
         self.first = 1 if heads.layout == "paper" else 0  # the layer's slice of head 2
-        self.columns, self.padding = columns, padding
+        self.projection, self.slices = Product(columns, padding), {}
         self.activation = torch.relu_ if heads.activation_fn is F.relu else heads.activation_fn
+
+    def fc2_slice(self, proposals):
+        """fc2's columns for heads 2..proposals+1, a Product on a view of them made at the first
+        block this wide: a packed copy per width in use (the whole fc2's for each would be
+        k-1 copies of it, and a view is the slice addmm read before)."""
+        if proposals not in self.slices:
+            (weight, bias), channels = self.fc2, self.projection[0].size(0)
+            rows = slice(self.first * channels, (self.first + proposals) * channels)
+            self.slices[proposals] = Product(weight[:, rows], bias[rows])
+        return self.slices[proposals]
 
     def logits(self, features, width):
         """Heads 2..width after features b x C: logits b x width-1 x N."""
         (b, channels), proposals = features.shape, width - 1
-        rows = slice(self.first * channels, (self.first + proposals) * channels)
-        hidden = self.activation(torch.addmm(self.fc1[1], features, self.fc1[0]))  # b x nh*F
-        heads = torch.addmm(self.fc2[1][rows], hidden, self.fc2[0][:, rows]).view(b, proposals, channels)
+        hidden = self.activation(self.fc1(features))  # b x nh*F
+        heads = self.fc2_slice(proposals)(hidden).view(b, proposals, channels)
         heads = (heads + features[:, None]).view(b * proposals, channels)  # residual slices
-        return torch.addmm(self.padding, heads, self.columns).view(b, proposals, -1)
+        return self.projection(heads).view(b, proposals, -1)
 
 
 class ChainWeights:
@@ -91,6 +129,8 @@ class ChainWeights:
     hidden width H is below the features' C and the activation is relu, a later head's
     logits are the head before's plus its hidden layer times W2_i P (H x N, read instead of
     P's C x N) plus b2_i P, the latter as one more hidden unit, always 1 (relu(1) = 1).
+    Every product adds something other than a bias of its own (the table's rows, g, the
+    head before's logits, the link's projection bias on P, which all links share): Plus.
     """
 
     def __init__(self, heads, columns, padding):
@@ -100,7 +140,7 @@ class ChainWeights:
         through = hidden < channels and heads.activation_fn is F.relu
         embedded = decoder.embed_scale * decoder.embed_tokens.weight.detach()  # V x E
         carried = columns.new_zeros(channels)  # c_i
-        self.columns, self.links = columns, []
+        self.projection, self.links = Plus(columns), []
         for i, (fc_in, fc_out) in enumerate(zip(heads.fc_in, heads.fc_out)):
             w_in, w_out = fc_in.weight.detach(), fc_out.weight.detach()  # H x (C + E), C x H
             readable = embedded if i == 0 else embedded[: columns.size(1)]  # R x E
@@ -109,10 +149,10 @@ class ChainWeights:
             features_in, out, ahead = w_in[:, :channels].t(), w_out.t(), None  # C x H, H x C
             if through:  # the unit: 1 in every row of the table, read by no features, adding b2_i P
                 table, features_in = F.pad(table, (0, 1), value=1.0), F.pad(features_in, (0, 1))
-                ahead = torch.cat([out @ columns, (fc_out.bias.detach() @ columns)[None]]) if i else None
+                ahead = Plus(torch.cat([out @ columns, (fc_out.bias.detach() @ columns)[None]])) if i else None
                 out = F.pad(out, (0, 0, 0, 1))  # (H+1) x C: the unit adds nothing to g
             carried = carried + fc_out.bias.detach()
-            self.links.append((features_in.contiguous(), table, out.contiguous(),
+            self.links.append((Plus(features_in.contiguous()), table, Plus(out.contiguous()),
                                torch.addmv(padding, columns.t(), carried), ahead))
         self.activation = torch.relu_ if heads.activation_fn is F.relu else heads.activation_fn
 
@@ -121,11 +161,11 @@ class ChainWeights:
         head 1) -> g_(i+1) (None after the `last` link, where no one reads it) and head
         i+2's logits b x N."""
         features_in, table, out, bias, ahead = self.links[i]
-        hidden = self.activation(torch.addmm(table.index_select(0, tokens), g, features_in))  # b x H (+1)
+        hidden = self.activation(features_in(g, table.index_select(0, tokens)))  # b x H (+1)
         if ahead is None:
-            g = torch.addmm(g, hidden, out)
-            return g, torch.addmm(bias, g, self.columns)
-        return None if last else torch.addmm(g, hidden, out), torch.addmm(logits, hidden, ahead)
+            g = out(hidden, g)
+            return g, self.projection(g, bias)
+        return None if last else out(hidden, g), ahead(hidden, logits)
 
     def link_parents(self, i, g, logits, sources, tokens, last):
         """Link i over a tree depth's parents (ChainedHeads.nodes), whose tokens b x P were
