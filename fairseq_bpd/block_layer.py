@@ -60,11 +60,17 @@ def unsupported(layer):
         norms.append(layer.encoder_attn_layer_norm)
     if not all(type(m) is nn.Linear for m in linears) or not all(type(m) is nn.LayerNorm for m in norms):
         return "a projection or layer norm that is no plain nn.Linear or nn.LayerNorm"
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
-        return "global module hooks"  # torch's hooks on every module: block_layer calls none
     # No hooks anywhere in the layer: block_layer calls its linears and layer norms, but not
     # the layer, its attention or dropout modules, whose hooks would silently not run.
-    modules = list(layer.modules())
+    return uncalled_problem(layer)
+
+
+def uncalled_problem(root):
+    """What a lean pass that calls none of root's modules would miss, in words, or None:
+    torch's global hooks, a forward hook on any of its modules, dropout at inference."""
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return "global module hooks"
+    modules = list(root.modules())
     if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
         return "a forward hook"
     if any(getattr(m, "apply_during_inference", False) for m in modules):

@@ -39,6 +39,13 @@ def weights_key(*weights):
     return tuple(key)
 
 
+def own_tensors(modules):
+    """The parameters and buffers of `modules` (a list the caller keeps), read from each one's
+    own dicts: nn.Module.parameters() walks and deduplicates the module tree, which at batch 1
+    costs more than the weights_key it feeds."""
+    return [t for m in modules for kind in (m._parameters, m._buffers) for t in kind.values() if t is not None]
+
+
 STATIC = "blockwise_static_cache"  # the incremental-state key of a StaticCache
 
 
@@ -149,10 +156,10 @@ class BlockwiseDecoder(TransformerDecoderBase):
 
     def train(self, mode=True):
         """Drop what decoding keeps of the weights (transposed_projection, position_table) and
-        of the layers (lean_layers): fairseq's optimizers update p.data in place, which moves
+        of the layers (lean_layers), and the encoder's (encoder_pass.encoder_weights): fairseq's optimizers update p.data in place, which moves
         no version counter, and fairseq's Trainer switches modes around every step and validation."""
         self._transposed_key = self._position_key = self._lean_layers = self._lean_weights = None
-        self._proposal_key = None
+        self._proposal_key = self._encoder_weights = self._encoder_decided = None  # encoder_pass's
         return super().train(mode)
 
     def forward(
@@ -299,6 +306,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         hooks = RemovableHandle.next_id
         if getattr(self, "_lean_layers", None) is None or getattr(self, "_lean_hooks", None) != hooks:
             self._lean_reasons = [unsupported(layer) for layer in self.layers]
+            self._lean_modules = [m for layer in self.layers for m in layer.modules()]  # lean_weights' key
             self._lean_layers, self._lean_hooks = [reason is None for reason in self._lean_reasons], hooks
         return self._lean_layers
 
@@ -331,8 +339,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
     def lean_weights(self):
         """The layers' weights as the lean pass reads them (static_pass.LeanWeights), arranged
         again when any of them changes (weights_key)."""
-        params = [p for layer in self.layers for p in layer.parameters()]
-        key = weights_key(*params)
+        self.lean_layers()  # its module list, kept while the modules cannot have changed
+        key = weights_key(*own_tensors(self._lean_modules))
         if key is None or getattr(self, "_lean_weights", None) is None or self._lean_weights_key != key:
             self._lean_weights, self._lean_weights_key = LeanWeights(self.layers), key
         return self._lean_weights

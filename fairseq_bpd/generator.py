@@ -25,6 +25,7 @@ from torch import nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from .acceptance import TopK, accepted, along, commit, confident_width, exact_chain, greedy_step, rule_for, verify
+from .encoder_pass import encode
 from .options import BlockwiseOptions
 from .refusals import refuse_for_model, refuse_prefix
 from .tree import Tree, default_rates
@@ -193,7 +194,7 @@ class BlockwiseGenerator(nn.Module):
         net_input = sample["net_input"]
         src_tokens, src_lengths = net_input["src_tokens"], net_input["src_lengths"]
         max_len = self.max_length(src_tokens, src_lengths)
-        encoder_out = model.encoder.forward_torchscript(net_input)
+        encoder_out = encode(model, net_input)  # the one encoder output every pass and proposal reads
         batch = self.start(src_tokens, max_len, bos_token)
         layout = self.layout if self.layout.depth.device == src_tokens.device else self.layout.to(src_tokens.device)
         proposals = src_tokens.new_empty(batch.length.size(0), 0, layout.topn)  # b x heads x ranks

@@ -60,21 +60,28 @@ class LeanWeights:
 
     @staticmethod
     def arrange(layer):
-        attention, cross = layer.self_attn, layer.encoder_attn
-        w = {
-            "pre": layer.normalize_before, "heads": attention.num_heads,
-            "activation": activation(layer.activation_fn),
-            "qkv": transposed(attention.q_proj, attention.k_proj, attention.v_proj, scale=attention.scaling),
-            "out": transposed(attention.out_proj), "self_norm": norm_params(layer.self_attn_layer_norm),
-            "fc1": transposed(layer.fc1), "fc2": transposed(layer.fc2),
-            "final_norm": norm_params(layer.final_layer_norm),
-            "cross": None,
-        }
+        cross = layer.encoder_attn
+        w = {**self_attention_and_feed_forward(layer), "cross": None}
         if cross is not None:
             w.update(cross={"heads": cross.num_heads, "q": transposed(cross.q_proj, scale=cross.scaling),
                             "kv": transposed(cross.k_proj, cross.v_proj), "out": transposed(cross.out_proj)},
                      cross_norm=norm_params(layer.encoder_attn_layer_norm))
         return w
+
+
+def self_attention_and_feed_forward(layer):
+    """What a lean pass reads of a fairseq layer's self-attention and feed-forward (encoder's
+    or decoder's): the queries', keys' and values' products side by side (the query scaled,
+    as fairseq scales it), the output and feed-forward products, the two layer norms."""
+    attention = layer.self_attn
+    return {
+        "pre": layer.normalize_before, "heads": attention.num_heads,
+        "activation": activation(layer.activation_fn),
+        "qkv": transposed(attention.q_proj, attention.k_proj, attention.v_proj, scale=attention.scaling),
+        "out": transposed(attention.out_proj), "self_norm": norm_params(layer.self_attn_layer_norm),
+        "fc1": transposed(layer.fc1), "fc2": transposed(layer.fc2),
+        "final_norm": norm_params(layer.final_layer_norm),
+    }
 
 
 def product(x, weights):
