@@ -51,17 +51,18 @@ def decided(model, net_input):
     decoder and decided again, as the decoder's lean_layers, after train() or eval() (the
     decoder's train() drops it), after any hook is registered anywhere (torch numbers every
     hook handle), when a module's training flag changes or other inputs come: walking the
-    modules costs more per batch than the whole check kept."""
+    modules costs more per batch than the whole check kept. Another encoder in the model's
+    place is decided anew."""
     encoder, decoder = model.encoder, model.decoder
     kept = getattr(decoder, "_encoder_decided", None)
     if kept is not None:
-        (hooks, inputs, modules), problem = kept
-        if (hooks == RemovableHandle.next_id and inputs == net_input.keys()
+        (owner, hooks, inputs, modules), problem = kept
+        if (owner is encoder and hooks == RemovableHandle.next_id and inputs == net_input.keys()
                 and not any(m.training for m in modules)):
             return problem, modules
     modules = list(encoder.modules())
     problem = unsupported(encoder, net_input)
-    decoder._encoder_decided = ((RemovableHandle.next_id, set(net_input), modules), problem)
+    decoder._encoder_decided = ((encoder, RemovableHandle.next_id, set(net_input), modules), problem)
     return problem, modules
 
 

@@ -107,6 +107,9 @@ def test_weights_changed_between_encodings_are_read(data_dir):
     model.encoder.layers[0].fc1.weight.data.mul_(2)
     model.eval()
     assert_close(fairseq_encoder_out(model, sample), lean_encoder_out(model, sample), 1e-12)
+    _, third, _ = build(data_dir, "--block-size", "3", seed=8)
+    model.encoder = third.encoder  # another encoder in its place, no train() or eval()
+    assert_close(fairseq_encoder_out(third, sample), lean_encoder_out(model, sample), 1e-12)
 
 
 def hook(model):
