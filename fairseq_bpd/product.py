@@ -9,6 +9,13 @@ under autograd), MKL's addmm otherwise, float64 included, so the tests' exactnes
 run the same code paths' fallbacks. Either rounds differently from fairseq's own step, as
 any block pass does. $FAIRSEQ_BPD_PACKED=0 turns the packed copies off (measurements of
 before and after).
+
+When each switch is read: torch.backends.mkldnn's flag on every product, so that
+`with torch.backends.mkldnn.flags(enabled=False)` runs no oneDNN inside it, whatever was
+decoded before (a C call; the variable would cost a dictionary lookup and an encoding on
+every product); $FAIRSEQ_BPD_PACKED when the weights are arranged: the first decoding after
+a model is built, its weights change, or model.eval() (which drops what decoding arranged).
+Set it before decoding, or call model.eval() after setting it.
 """
 import os
 
@@ -22,23 +29,35 @@ PACKING_ROWS = 32
 ONE_ROW_PACKED_SIZE = 1 << 20
 
 
-def packing_applies(weight):
-    """Whether a packed copy of `weight` (C x N) serves decoding here."""
+def packable(weight):
+    """Whether a packed copy of `weight` (C x N) may serve decoding here, mkldnn's flag aside."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.requires_grad
             and os.environ.get(PACKED_VARIABLE, "1") != "0" and torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def packing_applies(weight):
+    """Whether a packed copy of `weight` (C x N) serves decoding here, now."""
+    return packable(weight) and torch.backends.mkldnn.enabled
+
+
+def pack(weight):
+    """oneDNN's copy of `weight` (C x N), in its layout for PACKING_ROWS rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.t(), PACKING_ROWS)
 
 
 class Product(tuple):
     """(W C x N, bias N), as the code before it reads them, and x -> x · W + bias.
 
-    A tuple, so that whatever slices W or the bias (a shortlist's columns) reads them as before."""
+    A tuple, so that whatever slices W or the bias (a shortlist's columns) reads them as before.
+    Packed when made where packing applies, else on the first product that may use it (made
+    while mkldnn was disabled, used after), so that what a product computes never depends
+    on the flag at the time the weights were arranged."""
 
     def __new__(cls, weight, bias):
         self = super().__new__(cls, (weight, bias))
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.t(), PACKING_ROWS)
-                       if packing_applies(weight) else None)
+        self.packable = packable(weight)
+        self.packed = pack(weight) if self.packable and torch.backends.mkldnn.enabled else None
         return self
 
     def __reduce__(self):
@@ -50,8 +69,10 @@ class Product(tuple):
     def __call__(self, x, out=None):
         """x M x C (rows at any stride) -> M x N, into `out` where given."""
         weight, bias = self
-        if (self.packed is None or x.dtype != torch.float32 or x.requires_grad or x.device.type != "cpu"
-                or x.size(0) == 1 and weight.numel() < ONE_ROW_PACKED_SIZE):
+        if (not self.packable or x.dtype != torch.float32 or x.requires_grad or x.device.type != "cpu"
+                or x.size(0) == 1 and weight.numel() < ONE_ROW_PACKED_SIZE or not torch._C._get_mkldnn_enabled()):
             return torch.addmm(bias, x, weight) if out is None else torch.addmm(bias, x, weight, out=out)
+        if self.packed is None:
+            self.packed = pack(weight)
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return y if out is None else out.copy_(y)
