@@ -154,13 +154,29 @@ class BlockwiseDecoder(TransformerDecoderBase):
             self._transposed_key = key
         return self._transposed
 
-    def train(self, mode=True):
+    def forget_arranged(self):
         """Drop what decoding keeps of the weights (transposed_projection, position_table) and
-        of the layers (lean_layers), and the encoder's (encoder_pass.encoder_weights): fairseq's optimizers update p.data in place, which moves
-        no version counter, and fairseq's Trainer switches modes around every step and validation."""
+        of the layers (lean_layers), and the encoder's (encoder_pass.encoder_weights)."""
         self._transposed_key = self._position_key = self._lean_layers = self._lean_weights = None
         self._proposal_key = self._encoder_weights = self._encoder_decided = None  # encoder_pass's
+
+    def train(self, mode=True):
+        """forget_arranged: fairseq's optimizers update p.data in place, which moves no version
+        counter, and fairseq's Trainer switches modes around every step and validation."""
+        self.forget_arranged()
         return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):
+        """model.half(), .float(), .to(...): what decoding arranged is dropped here and in the
+        heads and the draft. Module._apply assigns p.data, which keeps the version counter,
+        and the new storage may sit at the address the old one had (a float32 -> half ->
+        float32 round trip), so weights_key alone could not tell. Not train(): under
+        --freeze-base the base's modes are not the decoder's (model.train)."""
+        result = super()._apply(fn, *args, **kwargs)
+        for module in self.modules():
+            if hasattr(module, "forget_arranged"):
+                module.forget_arranged()
+        return result
 
     def forward(
         self,

@@ -68,7 +68,9 @@ class Arranged:
         if encoder is not None and getattr(self, "_checked", None) is encoder and self._weights_key[1] == vocab:
             return self._weights
         decoder, self._checked = self.decoder, None
-        if self.training or any(m._forward_hooks or m._forward_pre_hooks for m in (*self.modules(), *self.reads())):
+        # a hook put on the projection after a decode: proposals scored as by a model hooked before any
+        if (self.training or not decoder.plain_projection()
+                or any(m._forward_hooks or m._forward_pre_hooks for m in (*self.modules(), *self.reads()))):
             return None
         key = weights_key(*self.parameters(), *(m.weight for m in self.reads()), decoder.output_projection.weight)
         if key is None:
@@ -80,15 +82,18 @@ class Arranged:
         self._checked = encoder
         return self._weights
 
-    def train(self, mode=True):
+    def forget_arranged(self):
         self._weights = self._weights_key = self._checked = None  # arranged for decoding only
+
+    def train(self, mode=True):
+        self.forget_arranged()
         return super().train(mode)
 
 
 class HeadWeights:
     """ProposalHeads' layer and projection in decoding, on weights arranged once per change
-    (Products on contiguous transposes): the same function as block_features() followed by
-    decoding_logits(), the proposals' slices of fc2 in one product."""
+    (Products on contiguous transposes, fc2's slices views of one): the same function as
+    block_features() followed by decoding_logits(), the proposals' slices of fc2 in one product."""
 
     def __init__(self, heads, columns, padding):
         """heads: ProposalHeads; columns C x N, padding N: decoder.proposal_projection()."""
