@@ -16,7 +16,7 @@ from fairseq.modules import LayerNorm, MultiheadAttention
 
 from .heads import (Proposer, after_head1, chain_proposals, choose, decoding_logits, following_tokens,
                     no_proposals, shortlist_logits)
-from .draft_step import DraftState, DraftWeights, Waiting, decode_step, tree_plan
+from .draft_step import DraftState, DraftWeights, Waiting, decode_step, feed_waiting, tree_plan
 from .targets import shift_target
 
 
@@ -70,6 +70,9 @@ class DraftDecoder(nn.Module, Proposer):
     independent = False  # each step reads the proposal before it
     nodes_read_proposals = False  # nodes() drafts each node after its own ancestors
     cache_columns = 64  # the decoding cache's columns at a batch's start (doubled when full)
+    # Blocks of one in a row whose positions wait unfed before their keys and values are
+    # written (feed_waiting): what bounds the list held and the next first step.
+    waiting_most = 64
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()
@@ -165,7 +168,11 @@ class DraftDecoder(nn.Module, Proposer):
         """The accepted positions before the last (its features come with propose()) wait,
         with their next tokens, to be fed on the next first step: features b x n x C and
         block b x n (a chain's, or a tree's nodes) along path b x D+1 (node indices), the
-        first kept - 1 of them."""
+        first kept - 1 of them. After a block of one that proposed nothing none: its one
+        position is the next last, and the last before it was deferred (defer)."""
+        if self.state is not None and self.state.skipped:
+            self.state.skipped = False
+            return
         if self.state is None or not self.state.proposed:
             # No proposal led to this block: a new batch's first (on BOS alone), the state
             # a finished batch's. Dropped here, so that reorder cannot adopt it.
@@ -208,8 +215,11 @@ class DraftDecoder(nn.Module, Proposer):
             self._weights, self._weights_key = DraftWeights(self), key
         return self._weights
 
-    def train(self, mode=True):
+    def forget_arranged(self):
         self._weights = self._weights_key = None  # arranged for decoding only: none kept in training
+
+    def train(self, mode=True):
+        self.forget_arranged()
         return super().train(mode)
 
     def sync(self, features, encoder_out):
@@ -225,14 +235,16 @@ class DraftDecoder(nn.Module, Proposer):
         """Heads 2..width after the last accepted position, one draft step after another:
         `topn` best tokens each (the Proposer protocol).
 
-        The first step (first_step) feeds the accepted positions waiting since keep(); each
-        later step reads the step before and its best token, in columns past the accepted
-        prefix, under one mask made for all of them (at batch 1 none: each step's window of
-        the cache ends at its own column).
+        The first step (first_step) feeds the accepted positions waiting since keep() (of
+        every block since the last proposal); each later step reads the step before and its
+        best token, in columns past the accepted prefix, under one mask made for all of them
+        (at batch 1 none: each step's window of the cache ends at its own column). A width
+        of 1 drafts nothing (defer).
         """
-        state, drafted = self.first_step(features, token, encoder_out)
         if width <= 1:
+            self.defer(features, token, encoder_out)
             return no_proposals(features, topn, log_probs)
+        state, drafted = self.first_step(features, token, encoder_out)
         alone = features.size(0) == 1  # batch 1: each step in the column the host knows, no mask
         if width > 2:
             state.reserve(state.longest + width - 2)
@@ -250,6 +262,18 @@ class DraftDecoder(nn.Module, Proposer):
             chosen.append(best)
         return chain_proposals(chosen, logits, topn, log_probs)
 
+    def defer(self, features, token, encoder_out):
+        """A block of one proposes nothing, so its first step is not made: the last accepted
+        position (features b x C, after which head 1 chose `token` b) waits with the others
+        (DraftState.defer), for the next first step to feed, however many blocks later. No
+        operation, unless waiting_most wait: their keys and values are written then."""
+        state = self.sync(features, encoder_out)
+        if state.proposed:  # this block's first step is made already
+            return
+        state.defer(features, token)
+        if len(state.deferred) >= self.waiting_most:
+            feed_waiting(state)
+
     def first_step(self, features, token, encoder_out):
         """The state and the block's first draft step b x C after the last accepted position
         (features b x C, after which head 1 chose `token` b): fed once a block (feed_accepted),
@@ -262,9 +286,9 @@ class DraftDecoder(nn.Module, Proposer):
     def feed_accepted(self, state, features, token):
         """Feed the waiting accepted positions and the last one (features b x C, token b):
         the draft's first step, b x C. The accepted prefix grows by them."""
-        pending, state.pending = state.pending, None
         if features.size(0) == 1:
-            return self.feed_alone(state, pending, features, token)
+            return self.feed_alone(state, features, token)
+        pending, state.pending = state.settle(), None
         if pending is None or pending.features.size(1) == 0:  # the last position alone
             count, longest = (0, state.longest + 1) if pending is None else (pending.count, pending.longest)
             inputs, tokens = features[:, None], token[:, None]  # b x 1
@@ -287,14 +311,12 @@ class DraftDecoder(nn.Module, Proposer):
         state.length, state.longest = state.length + count + 1, longest
         return drafted
 
-    def feed_alone(self, state, pending, features, token):
+    def feed_alone(self, state, features, token):
         """feed_accepted at batch 1, where every waiting position is real and the host knows
         the row's prefix (state.longest): its m+1 entries in columns longest.., of which only
         the last's features are made. Features 1 x C, token 1 -> 1 x C."""
-        start, inputs, tokens = state.longest, features, token
-        if pending is not None and pending.features.size(1):
-            inputs = torch.cat([pending.features[0], features])  # m+1 x C
-            tokens = torch.cat([pending.tokens[0], token])  # m+1
+        start = state.longest
+        inputs, tokens = state.alone_entries(features, token)  # m+1 x C, m+1
         state.reserve(start + inputs.size(0))
         drafted = decode_step(state, inputs, tokens, None, None, start, True)  # last
         state.length, state.longest = state.length + inputs.size(0), start + inputs.size(0)

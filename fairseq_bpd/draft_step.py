@@ -23,8 +23,9 @@ from .static_pass import merge_heads, product, split_heads, transposed
 
 class Waiting(NamedTuple):
     """Accepted positions not yet fed to the draft: features b x M x C, their next tokens
-    b x M, how many of the M are real in each row (b), and the longest accepted prefix once
-    they and the last position are fed (a host int, so that no draft step asks the device)."""
+    b x M, how many of the M are real in each row (b; each row's real ones first), and the
+    longest accepted prefix once they and the last position are fed (a host int, so that no
+    draft step asks the device)."""
 
     features: torch.Tensor
     tokens: torch.Tensor
@@ -81,16 +82,21 @@ class DraftState:
     proposal's and are overwritten); length: b, entries of the accepted prefix, at most
     `longest` (host int; at batch 1 the row's own); source: the encoder output's keys and
     values b x H x S x d and its additive mask b x 1 x 1 x S (None where no row has
-    padding); pending: Waiting, or None; proposed: whether the block being verified is this
-    state's proposal (its first step made: the next proposal's waits for keep); root: that
-    first step's drafted features b x C, which a tree's nodes read after propose() made
-    them; encoder: the encoder tensor these belong to; weights: DraftWeights.
+    padding); pending: Waiting, or None; deferred: the last accepted positions of blocks
+    that proposed nothing (a width of 1, whose first step is not made), oldest first, each
+    (features b x C, token b) as propose() was given them, waiting after pending's (settle
+    makes them one Waiting); proposed: whether the block being verified is this state's
+    proposal (its first step made: the next proposal's waits for keep); skipped: whether it
+    followed a proposal of nothing instead (deferred); root: that first step's drafted
+    features b x C, which a tree's nodes read after propose() made them; encoder: the
+    encoder tensor these belong to; weights: DraftWeights.
     """
 
     def __init__(self, cache, source_keys, source_values, source_mask, encoder, weights):
         self.cache, self.weights, self.encoder = cache, weights, encoder
         self.length = torch.zeros(cache.size(0), dtype=torch.long, device=cache.device)
         self.longest, self.pending, self.proposed, self.root = 0, None, False, None
+        self.deferred, self.skipped = [], False
         self.source_keys, self.source_values, self.source_mask = source_keys, source_values, source_mask
         self.rows = torch.arange(cache.size(0), device=cache.device)
         self.column_rows = self.rows[:, None]  # b x 1: each row's index beside its columns
@@ -103,7 +109,54 @@ class DraftState:
         b, columns, width = self.cache.shape
         return self.cache[..., width // 3:].view(b, columns, 2, self.weights.heads, -1).permute(0, 2, 3, 1, 4)
 
+    def defer(self, features, token):
+        """The last accepted position (features b x C, token b) waits, unfed: its block
+        proposes nothing. Held, not copied: no operation."""
+        self.deferred.append((features, token))
+        self.skipped = True
+
+    def settle(self):
+        """pending and the deferred positions after it as one Waiting (None where nothing
+        waits), deferred emptied: each row's deferred entries follow its own real ones
+        (index_put past each row's count, as the first step places the last). What a batch's
+        rows are selected on, and what a first step at batch > 1 feeds."""
+        deferred, self.deferred = self.deferred, []
+        if not deferred:
+            return self.pending
+        features = torch.stack([f for f, _ in deferred], dim=1)  # b x D x C
+        tokens = torch.stack([t for _, t in deferred], dim=1)  # b x D
+        added, pending = len(deferred), self.pending
+        if pending is None:
+            self.pending = Waiting(features, tokens, self.length.new_full(self.length.shape, added),
+                                   self.longest + added + 1)
+            return self.pending
+        merged = torch.cat([pending.features, features], dim=1)  # b x M+D x C
+        following = torch.cat([pending.tokens, tokens], dim=1)  # b x M+D
+        if merged.size(0) > 1:  # a row with fewer real than M: its deferred ones after its own
+            self.reserve(merged.size(1))
+            columns = pending.count[:, None] + self.positions[:added]  # b x D
+            merged[self.column_rows, columns] = features
+            following[self.column_rows, columns] = tokens
+        self.pending = Waiting(merged, following, pending.count + added, pending.longest + added)
+        return self.pending
+
+    def alone_entries(self, features=None, token=None):
+        """At batch 1, where every waiting position is real: the waiting ones, then
+        (features 1 x C, token 1) if given, as m x C and m (one cat each); nothing waits
+        after."""
+        pending, deferred = self.pending, self.deferred
+        self.pending, self.deferred = None, []
+        real = pending is not None and pending.features.size(1) > 0
+        inputs = ([pending.features[0]] if real else []) + [f for f, _ in deferred]
+        tokens = ([pending.tokens[0]] if real else []) + [t for _, t in deferred]
+        if features is not None:
+            if not inputs:
+                return features, token
+            inputs, tokens = inputs + [features], tokens + [token]
+        return torch.cat(inputs), torch.cat(tokens)
+
     def select(self, rows):
+        self.settle()
         for name in ("cache", "length", "source_keys", "source_values"):
             setattr(self, name, getattr(self, name)[rows])
         if self.source_mask is not None:
@@ -201,6 +254,40 @@ def tree_plan(tree):
     return plan
 
 
+def enter(state, features, tokens, columns, start=None):
+    """Entries' inputs z = W_in [f; E x] (DraftDecoder.entry) and their self-attention
+    queries, keys and values, written in the cache: features b*m x C, tokens b*m, at
+    `columns` (b x m) of their rows, or at batch 1 at columns start.. (a host int), where
+    the product writes them itself (DraftState.slot). Returns z b*m x C and qkv b*m x 3C."""
+    w = state.weights
+    z = torch.addmm(w.table.index_select(0, tokens), features, w.features_in)  # b*m x C
+    normed = torch.layer_norm(z, (features.size(1),), None, None, w.eps[0])
+    if start is not None:
+        return z, torch.addmm(w.qkv[1], normed, w.qkv[0], out=state.slot(start, features.size(0)))  # in the cache
+    qkv = product(normed, w.qkv)  # b*m x 3C
+    state.cache[state.column_rows, columns] = qkv.view(*columns.shape, -1)
+    return z, qkv
+
+
+def feed_waiting(state):
+    """The waiting positions' entries (pending's and the deferred ones) written in the cache,
+    their keys and values being all the draft keeps of them, and no step made: where so many
+    wait that the next first step should not carry them all (DraftDecoder.waiting_most)."""
+    if state.cache.size(0) == 1:
+        inputs, tokens = state.alone_entries()
+        state.reserve(state.longest + inputs.size(0))
+        enter(state, inputs, tokens, None, state.longest)
+        state.length, state.longest = state.length + inputs.size(0), state.longest + inputs.size(0)
+        return
+    pending, state.pending = state.settle(), None
+    m = pending.features.size(1)
+    # A row with fewer than m writes its spare entries past its prefix (overwritten later).
+    state.reserve(state.longest + m)
+    columns = state.length[:, None] + state.positions[:m]  # b x m
+    enter(state, pending.features.reshape(-1, pending.features.size(-1)), pending.tokens.reshape(-1), columns)
+    state.length, state.longest = state.length + pending.count, pending.longest - 1
+
+
 def decode_step(state, features, tokens, columns, mask, start=None, last=None):
     """The draft layer's function (DraftDecoder.entry and .layer) in decoding, on
     DraftWeights: b sentences' m entries each, row by row (features b*m x C, tokens b*m),
@@ -216,19 +303,15 @@ def decode_step(state, features, tokens, columns, mask, start=None, last=None):
     (True, no mask) the last entry.
     """
     w, channels, eps = state.weights, features.size(1), state.weights.eps
-    z = torch.addmm(w.table.index_select(0, tokens), features, w.features_in)  # b*m x C
-    normed = torch.layer_norm(z, (channels,), None, None, eps[0])
+    z, qkv = enter(state, features, tokens, columns, start)
     if start is None:
         (b, m), used = columns.shape, mask.size(-1)
-        qkv = product(normed, w.qkv)  # b*m x 3C
-        state.cache[state.column_rows, columns] = qkv.view(b, m, -1)
         if last is not None:
             made = state.rows * m + last  # b: each row's entry
             z, features, qkv, m = z.index_select(0, made), features.index_select(0, made), qkv.index_select(0, made), 1
     else:
         b, m = 1, features.size(0)
         used = start + m if mask is None else mask.size(-1)
-        qkv = torch.addmm(w.qkv[1], normed, w.qkv[0], out=state.slot(start, m))  # m x 3C, in the cache
         if last and m > 1:
             z, features, qkv, m = z[-1:], features[-1:], qkv[-1:], 1
     y = attention(qkv, *state.window(used), mask, b, m, w.heads, channels)
