@@ -2,18 +2,21 @@
 """Hold out a slice of distilled pairs as the validation split, so that the training log's
 `block` estimate is made on sources the heads never saw.
 
-  python scripts/hold_out.py PAIRS OUT [--one-in 57] [--data data/bible-bin] [--src de --tgt en]
+  python scripts/hold_out.py PAIRS OUT [--one-in 57] [--train-pairs N [--seed 1]] [--data data/bible-bin] [--src de --tgt en]
 
 PAIRS is a scripts/self_distill.sh folder (its text/train.bpe.SRC and .TGT). A pair is held
 out when the MD5 of its source line is 0 modulo ONE_IN: about one pair in ONE_IN, and the
 same sources whatever else PAIRS holds (a larger distillation of the same text holds out
-the same sentences, and more). OUT gets the split `train` (the other pairs) and `valid`
+the same sentences, and more). --train-pairs N trains on N of the other pairs, drawn at
+random (--seed), in PAIRS's order, the held-out split unchanged: acceptance against the
+number of distilled sources at an equal update budget. OUT gets the split `train` (the other pairs) and `valid`
 (the held-out ones), binarised with DATA's dictionaries; DATA's test split is linked
 (human references), never trained on.
 """
 import argparse
 import hashlib
 import os
+import random
 import subprocess
 import sys
 
@@ -38,11 +41,20 @@ def split(sources, targets, one_in):
     return splits
 
 
+def draw(pairs, count, seed):
+    """`count` of `pairs` drawn at random by `seed`, in their order."""
+    if not 0 < count <= len(pairs):
+        raise SystemExit(f"error: --train-pairs must be 1 to the {len(pairs)} training pairs (got {count})")
+    return [pairs[i] for i in sorted(random.Random(seed).sample(range(len(pairs)), count))]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("pairs")
     parser.add_argument("out")
     parser.add_argument("--one-in", type=int, default=57, help="hold out about one pair in N (default 57)")
+    parser.add_argument("--train-pairs", type=int, help="train on N of the pairs not held out, drawn at random")
+    parser.add_argument("--seed", type=int, default=1, help="the draw's seed (default 1)")
     parser.add_argument("--data", default="data/bible-bin", help="the corpus: dictionaries and test split")
     parser.add_argument("--src", default="de")
     parser.add_argument("--tgt", default="en")
@@ -57,6 +69,8 @@ def main(argv=None):
         with open(path, encoding="utf-8") as f:
             text[lang] = f.read().splitlines()
     splits = split(text[args.src], text[args.tgt], args.one_in)
+    if args.train_pairs is not None:
+        splits["train"] = draw(splits["train"], args.train_pairs, args.seed)
     os.makedirs(os.path.join(args.out, "text"), exist_ok=True)
     for name, pairs in splits.items():
         for i, lang in enumerate((args.src, args.tgt)):

@@ -162,6 +162,33 @@ def test_hold_out_splits_by_source_and_binarises_both_splits(tmp_path, capsys):
     assert half["valid"] == [pair for pair in full["valid"] if pair[0] in first]
 
 
+def test_hold_out_trains_on_a_random_draw_of_the_pairs(tmp_path, capsys):
+    """--train-pairs N: N of the training pairs (a seeded draw, in order), the held-out split
+    the full one's; N outside 1..the training pairs is refused naming the flag."""
+    data = binarised_corpus(tmp_path)
+    (tmp_path / "pairs" / "text").mkdir(parents=True)
+    for lang in ("de", "en"):
+        lines = list(dict.fromkeys((tmp_path / "raw" / f"train.{lang}").read_text().splitlines()))[:40]
+        (tmp_path / "pairs" / "text" / f"train.bpe.{lang}").write_text("".join(line + "\n" for line in lines))
+
+    def split(out, *flags):
+        hold_out.main([str(tmp_path / "pairs"), str(tmp_path / out), "--one-in", "5", "--data", data, *flags])
+        text = tmp_path / out / "text"
+        return {name: list(zip((text / f"{name}.bpe.de").read_text().splitlines(),
+                               (text / f"{name}.bpe.en").read_text().splitlines())) for name in ("train", "valid")}
+
+    full = split("full")
+    drawn = split("drawn", "--train-pairs", "7")
+    assert len(drawn["train"]) == 7 and drawn["valid"] == full["valid"]
+    assert drawn["train"] == [pair for pair in full["train"] if pair in set(drawn["train"])]  # in order
+    assert split("again", "--train-pairs", "7")["train"] == drawn["train"]
+    assert split("other", "--train-pairs", "7", "--seed", "2")["train"] != drawn["train"]
+    assert "7 train and" in capsys.readouterr().out
+    for count in ("0", str(len(full["train"]) + 1)):
+        with pytest.raises(SystemExit, match=f"--train-pairs must be 1 to the {len(full['train'])} training pairs"):
+            split("bad", "--train-pairs", count)
+
+
 def test_hold_out_bad_input_is_named(tmp_path):
     (tmp_path / "pairs" / "text").mkdir(parents=True)
     (tmp_path / "pairs" / "text" / "train.bpe.de").write_text("a\nb\n")
