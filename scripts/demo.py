@@ -5,8 +5,8 @@ Builds the default corpus (cached after the first run), restores the shipped k=8
 checkpoint (models/demo/), measures this machine's width table for it once
 (scripts/calibrate_widths.py), and prints one table: BLEU, mean accepted block size,
 decoder invocations and the wall-clock speedup at batch sizes 1 and 32 of greedy,
-`--blockwise` alone (its widths from the table), the fixed chain at the full k and the
-best tree; then a few test sentences (source, reference, greedy and blockwise output)
+`--blockwise` alone (its widths from the table), the fixed chain at the full k, the
+best tree and `--blockwise-adaptive`; then a few test sentences (source, reference, greedy and blockwise output)
 and a plot of the chain's accepted block sizes. The numbers are scripts/speed.py's, run
 twice (all sentences at batch 32, --timing-sentences at batch 1). Decodes on the GPU when
 torch sees one (--cpu: the CPU), and says which device it timed.
@@ -23,8 +23,9 @@ PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 MODEL_DIR = os.path.join(ROOT, "models", "demo")
 TREE_RATES = os.path.join(MODEL_DIR, "checkpoint.int4.tree-rates.json")
 # The blockwise rows shown beside greedy: scripts/speed.py's decoder specs, by their label:
-# what --blockwise gives by itself, the chain at the checkpoint's k, the best tree there.
-LABELS = {"default": "blockwise", "k": "chain at k", "tree:16": "tree of 16"}
+# what --blockwise gives by itself, the chain at the checkpoint's k, the best tree there, and
+# --blockwise-adaptive (widths learnt from the run itself, no table).
+LABELS = {"default": "blockwise", "k": "chain at k", "tree:16": "tree of 16", "adaptive": "adaptive"}
 ROWS = list(LABELS)
 
 
@@ -141,7 +142,7 @@ def show(quality, report, timed, repeats, work):
     ]
     print()
     print(f"fairseq greedy (--beam 1) vs blockwise parallel decoding (--blockwise, its widths chosen "
-          f"by batch size; the chain of width k={k}; a tree of 16), exact acceptance")
+          f"by batch size; the chain of width k={k}; a tree of 16; --blockwise-adaptive), exact acceptance")
     print(f"{'':52s} " + " ".join(f"{label:>12s}" for label in ["greedy", *map(LABELS.get, ROWS)]))
     for label, cells in lines:
         print(f"{label:52s} " + " ".join(f"{cell:>12s}" for cell in cells))
