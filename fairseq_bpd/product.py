@@ -69,10 +69,28 @@ class Product(tuple):
     def __call__(self, x, out=None):
         """x M x C (rows at any stride) -> M x N, into `out` where given."""
         weight, bias = self
-        if (not self.packable or x.dtype != torch.float32 or x.requires_grad or x.device.type != "cpu"
-                or x.size(0) == 1 and weight.numel() < ONE_ROW_PACKED_SIZE or not torch._C._get_mkldnn_enabled()):
+        if not self.packs(x):
             return torch.addmm(bias, x, weight) if out is None else torch.addmm(bias, x, weight, out=out)
-        if self.packed is None:
-            self.packed = pack(weight)
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return y if out is None else out.copy_(y)
+
+    def relu(self, x):
+        """relu(x · W + bias), x M x C: on the packed copy oneDNN applies it inside its product
+        (bit for bit, one operation fewer). Not so the residual sums: oneDNN's product that
+        adds a matrix (mkldnn._linear_pointwise.binary) measured slower in the block pass than
+        the product and an add."""
+        if self.packs(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self[1], "relu", [], "")
+        return torch.relu(self(x))
+
+    def packs(self, x):
+        """Whether the product of x (M x C) runs on the packed copy, packing it now where it was
+        put off: not for float64, autograd, another device, mkldnn's flag off, or one row by
+        a small weight (ONE_ROW_PACKED_SIZE)."""
+        weight = self[0]
+        if (not self.packable or x.dtype != torch.float32 or x.requires_grad or x.device.type != "cpu"
+                or x.size(0) == 1 and weight.numel() < ONE_ROW_PACKED_SIZE or not torch._C._get_mkldnn_enabled()):
+            return False
+        if self.packed is None:
+            self.packed = pack(weight)
+        return True

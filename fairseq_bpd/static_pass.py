@@ -5,10 +5,12 @@ computes the same function as block_layer and fairseq's layers, in fewer operati
 per layer one product gives the block's queries, keys and values (the three
 projections' weights side by side, transposed once, the query's scaling folded in),
 made in the cache's own buffer (StaticCache.write), and the rows stay batch first
-throughout, so no reshape between layers copies. The weights are arranged once per decoding (LeanWeights),
-not per invocation. The source's keys and values are computed on the first call and
-kept by the cache. It rounds differently from fairseq's step, as any block pass does,
-which is why exactness is tested in float64.
+throughout, so no reshape between layers copies; where fc1's product is packed (float32
+on a CPU), a relu after it runs inside it (Product.relu), bit for bit the separate
+operation, one fewer a layer. The weights are arranged once per decoding
+(LeanWeights), not per invocation. The source's keys and values are computed on the
+first call and kept by the cache. It rounds differently from fairseq's step, as any
+block pass does, which is why exactness is tested in float64.
 
 A CUDA graph could replay this pass from the same cache: for a batch of B rows and a
 block of n, everything between begin's outputs (the rows x, the self-attention mask and
@@ -144,7 +146,7 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
             if layer_attn is not None:
                 attn = layer_attn
         y = normed(w["final_norm"], x) if pre else x
-        x = x + product(w["activation"](product(y, w["fc1"])), w["fc2"])
+        x = x + product(feed_forward_hidden(w, y), w["fc2"])
         if not pre:
             x = normed(w["final_norm"], x)
     x = x.view(rows, n, channels)
@@ -152,6 +154,14 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
         x = x.index_select(0, cache.rows)
         attn = attn.index_select(0, cache.rows) if attn is not None else None
     return x, attn
+
+
+def feed_forward_hidden(w, y):
+    """The feed-forward's hidden units of y (B*n x C): B*n x F, relu inside fc1's product
+    where the activation is relu (Product.relu)."""
+    if w["activation"] is torch.relu:
+        return w["fc1"].relu(y)
+    return w["activation"](product(y, w["fc1"]))
 
 
 def cross_attention(w, cache, i, y, rows, n, encoder_out, padding_mask, need_attn):
