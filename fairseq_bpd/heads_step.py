@@ -76,8 +76,7 @@ class Arranged:
         if key is None:
             return None
         if getattr(self, "_weights_key", None) != (key, vocab):
-            projection = decoder.proposal_projection(vocab)
-            self._weights = None if projection is None else self.arrange(*projection)
+            self._weights = self.arrange(*decoder.proposal_projection(vocab))  # plain: checked above
             self._weights_key = (key, vocab)
         self._checked = encoder
         return self._weights

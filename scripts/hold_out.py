@@ -9,9 +9,9 @@ out when the MD5 of its source line is 0 modulo ONE_IN: about one pair in ONE_IN
 same sources whatever else PAIRS holds (a larger distillation of the same text holds out
 the same sentences, and more). --train-pairs N trains on N of the other pairs, drawn at
 random (--seed), in PAIRS's order, the held-out split unchanged: acceptance against the
-number of distilled sources at an equal update budget. OUT gets the split `train` (the other pairs) and `valid`
-(the held-out ones), binarised with DATA's dictionaries; DATA's test split is linked
-(human references), never trained on.
+number of distilled sources at an equal update budget. OUT gets the split `train` (the
+other pairs) and `valid` (the held-out ones), binarised with DATA's dictionaries; DATA's
+test split is linked (human references), never trained on.
 """
 import argparse
 import hashlib
