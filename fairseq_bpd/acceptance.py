@@ -264,7 +264,7 @@ def confident_width(best, log_confidence):
     return int(confident.sum(dim=1).max())
 
 
-def exact_chain(lprobs, block, score, limit, eos, speculate=False):
+def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):
     """verify, accept and commit fused, for greedy's own rule (TopK(1)) on a chain.
 
     lprobs: b x n x V, block: b x n, score: b, as verify takes them; limit: b, or None
@@ -275,12 +275,13 @@ def exact_chain(lprobs, block, score, limit, eos, speculate=False):
     block token and their scores those choices' values, with nothing to concatenate or
     scatter (what lies after `kept` is never read). Returns kept b and commit's outputs
     b x n, output_scores b x n, added b and finished b; speculate: also best_choice's doubt
-    (lprobs whose NaNs are not yet fixed: nothing is asked on the host).
+    (lprobs whose NaNs are not yet fixed: nothing is asked on the host). out: a b x n x V
+    float32 tensor the sums are made in (scratch: nothing returned is a view of it).
     """
     proposals = block[:, 1:]  # b x n-1
     # b x 1 columns, stacked b x n x 1: the running score before each node, broadcast over V.
     columns = chain_sums(score[:, None], lprobs.gather(2, proposals[..., None]).unbind(1))
-    values, candidates, *doubt = best_choice(lprobs + torch.stack(columns, dim=1), speculate)  # b x n each
+    values, candidates, *doubt = best_choice(plus(lprobs, torch.stack(columns, dim=1), out), speculate)  # b x n
     passes = (candidates[:, :-1] == proposals) & (values[:, :-1] > -math.inf)  # b x n-1: TopK(1)
     kept = passes.cumprod(dim=1).sum(dim=1) + 1
     if limit is not None:
@@ -301,6 +302,13 @@ def greedy_step(lprobs, score, eos):
     # As b x V rows: the choices come out b x 1, the outputs' own shape (no reshaping after).
     values, outputs = greedy_choice(lprobs.reshape(b, V) + score.view(b, 1), 1)
     return outputs, values, torch.ones_like(score, dtype=torch.long), outputs.view(b) == eos
+
+
+def plus(lprobs, running, out=None):
+    """lprobs + running (broadcast), made in `out` where given (lprobs' shape) and of their dtype."""
+    if out is None or not lprobs.dtype == running.dtype == out.dtype:
+        return lprobs + running
+    return torch.add(lprobs, running, out=out)
 
 
 def commit(block, candidates, values, running, kept, eos):

@@ -22,6 +22,9 @@ from collections import Counter
 
 import torch
 from torch import nn
+from fairseq.models.fairseq_decoder import FairseqDecoder
+from fairseq.models.fairseq_model import BaseFairseqModel
+from fairseq.models.transformer import TransformerModelBase
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from .acceptance import TopK, accepted, along, commit, confident_width, exact_chain, greedy_step, rule_for, verify
@@ -200,6 +203,7 @@ class BlockwiseGenerator(nn.Module):
         proposals = src_tokens.new_empty(batch.length.size(0), 0, layout.topn)  # b x heads x ranks
         token = batch.tokens[:, :1]  # b x 1: the last committed token (BOS)
         incremental_state = {}
+        scratch = Scratch(plain_normalizer(model))  # the batch's: no invocation keeps what it holds
         finalized = [[] for _ in range(src_tokens.size(0))]
         self.policy.start()
 
@@ -236,7 +240,7 @@ class BlockwiseGenerator(nn.Module):
             speculate = n > 1 and self.fused(tree)
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree,
                                        src_lengths[batch.sentence] if self.match_source_len else None, bounds,
-                                       checked=not speculate)
+                                       checked=not speculate, scratch=scratch)
 
             # 2.-4. Verify the candidates with head 1, accept the deepest passing path, commit it.
             # No limit where no sentence can reach max_len within the block (and nothing reads it).
@@ -245,7 +249,7 @@ class BlockwiseGenerator(nn.Module):
             known_length = tree.is_chain and length is not None
             stock = None
             if speculate:
-                verified = self.verify_block(lprobs, block, batch.score, limit, tree, speculate=True)
+                verified = self.verify_block(lprobs, block, batch.score, limit, tree, speculate=True, scratch=scratch)
                 stock = self.take_stock(n, invocations, verified, known_length)
                 if stock is None:  # in doubt (a NaN, or a tie at the top): verified again as always
                     fix_nan(lprobs)
@@ -326,7 +330,7 @@ class BlockwiseGenerator(nn.Module):
         own rule (TopK(1) itself: a subclass may pass more)."""
         return tree.is_chain and type(self.rule) is TopK and self.rule.topk == 1
 
-    def verify_block(self, lprobs, block, score, limit, tree, speculate=False):
+    def verify_block(self, lprobs, block, score, limit, tree, speculate=False, scratch=None):
         """Steps 2-4 on head 1's lprobs b x n x V over `block` b x n laid out as `tree`.
 
         score: b, the running score so far; limit: b, the most outputs each sentence may add
@@ -335,12 +339,14 @@ class BlockwiseGenerator(nn.Module):
         output_scores b x D+1, added b and finished b, along its path.
         speculate (greedy's own rule on a chain, lprobs from head1_lprobs(checked=False)): asks
         nothing on the host, and returns also exact_chain's doubt (True: fix_nan, verify again).
+        scratch: a Scratch that exact_chain's sums are made in.
         """
         if block.size(1) == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
             outputs, output_scores, added, finished = greedy_step(lprobs, score, self.eos)
             return torch.zeros_like(added), added, outputs, output_scores, added, finished
         if self.fused(tree):
-            kept, *committed = exact_chain(lprobs, block, score, limit, self.eos, speculate)
+            out = scratch.take("sums", lprobs) if scratch is not None else None
+            kept, *committed = exact_chain(lprobs, block, score, limit, self.eos, speculate, out)
             return (kept - 1, kept, *committed)
         # 2. Verify the candidates with head 1, 3. accept the deepest path whose proposals pass.
         verdict = verify(lprobs, block, score, self.rule.ranks, tree)
@@ -390,7 +396,7 @@ class BlockwiseGenerator(nn.Module):
                 or self.match_source_len)
 
     def head1_lprobs(self, features, steps, tokens, block, max_len, tree, src_lengths, bounds=(0, math.inf),
-                     checked=True):
+                     checked=True, scratch=None):
         """Head 1's log-probs after each block token, constrained as fairseq's greedy: b x n x V.
 
         steps: b x n, the step each output predicts (None where step_constraints says none
@@ -398,14 +404,19 @@ class BlockwiseGenerator(nn.Module):
         least step and at least the greatest, which skip the length constraints where they
         cannot bite without asking the device; checked False: NaNs are left in, for a caller
         that finds them itself (verify_block(speculate=True)) and then calls fix_nan (every
-        change made after it leaves a NaN where fix_nan puts -inf, or overwrites it).
+        change made after it leaves a NaN where fix_nan puts -inf, or overwrites it). scratch:
+        a Scratch the log-probs are made in, where its plain_normalizer says fairseq's are a
+        log_softmax (the caller reads them before the next call).
         """
         model = self.model  # a submodule: each read is nn.Module's attribute search
         decoder = model.decoder
         logits = decoder.project(decoder.heads.head1_features(features))
         if self.temperature != 1.0:
             logits.div_(self.temperature)
-        lprobs = model.get_normalized_probs((logits, None), log_probs=True)
+        if scratch is not None and scratch.plain_normalizer:  # fairseq's own, into the kept memory
+            lprobs = torch.log_softmax(logits, -1, dtype=torch.float32, out=scratch.take("lprobs", logits, torch.float32))
+        else:
+            lprobs = model.get_normalized_probs((logits, None), log_probs=True)
         # fairseq turns NaN log-probs into -inf. A finite sum (one vectorised reduction) says
         # there are none, far cheaper than the fix, which then runs only where one may be.
         if checked and not math.isfinite(lprobs.sum().item()):
@@ -482,6 +493,49 @@ class BlockwiseGenerator(nn.Module):
             "positional_scores": positional_scores,
             "steps": invocations,
         }
+
+
+class Scratch:
+    """Tensors of one invocation that no one keeps past it (head 1's log-probs, their sums with
+    the running scores: b x n x V each), made in the same memory every invocation of a batch:
+    a fresh one costs the allocator each time and, at a wide block's sizes (past malloc's mmap
+    threshold), a page fault on each page it first touches.
+
+    plain_normalizer: whether the model's log-probs are fairseq's own log_softmax in float32
+    (plain_normalizer()), which head1_lprobs then makes here itself.
+    """
+
+    def __init__(self, plain_normalizer):
+        self.plain_normalizer, self.buffers = plain_normalizer, {}
+
+    def take(self, name, like, dtype=None):
+        """A contiguous tensor of like's shape and device, in `dtype` (None: like's), its contents
+        anything: the memory `name` was given before where it fits, which is overwritten."""
+        dtype, numel = dtype or like.dtype, like.numel()
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != like.device:
+            buffer = self.buffers[name] = like.new_empty(numel, dtype=dtype)
+        strides, step = [], 1
+        for size in reversed(like.shape):
+            strides.append(step)
+            step *= size
+        return buffer.as_strided(like.shape, strides[::-1])
+
+
+# The log-probs' methods, each fairseq's own where the log-probs are its log_softmax of the logits.
+NORMALIZERS = (("get_normalized_probs", TransformerModelBase), ("get_normalized_probs_scriptable", BaseFairseqModel))
+DECODER_NORMALIZERS = (("get_normalized_probs", FairseqDecoder), ("get_normalized_probs_scriptable", FairseqDecoder))
+
+
+def plain_normalizer(model):
+    """Whether model.get_normalized_probs((logits, None), log_probs=True) is fairseq's
+    log_softmax(logits, dtype=float32): its model's and decoder's methods fairseq's own (no
+    class nor instance of its own), no adaptive softmax, no ONNX tracing."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None or getattr(decoder, "adaptive_softmax", None) is not None or getattr(decoder, "onnx_trace", True):
+        return False
+    return all(getattr(type(owner), name, None) is getattr(base, name) and name not in vars(owner)
+               for owner, methods in ((model, NORMALIZERS), (decoder, DECODER_NORMALIZERS)) for name, base in methods)
 
 
 def fix_nan(lprobs):
