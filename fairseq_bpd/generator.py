@@ -506,12 +506,16 @@ class Scratch:
     """
 
     def __init__(self, plain_normalizer):
-        self.plain_normalizer, self.buffers = plain_normalizer, {}
+        self.plain_normalizer, self.buffers, self.views = plain_normalizer, {}, {}
 
     def take(self, name, like, dtype=None):
         """A contiguous tensor of like's shape and device, in `dtype` (None: like's), its contents
-        anything: the memory `name` was given before where it fits, which is overwritten."""
+        anything: the memory `name` was given before where it fits, which is overwritten (the
+        same tensor as last time where the shape is the same: no view made)."""
         dtype, numel = dtype or like.dtype, like.numel()
+        view = self.views.get(name)
+        if view is not None and view.shape == like.shape and view.dtype == dtype and view.device == like.device:
+            return view
         buffer = self.buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != like.device:
             buffer = self.buffers[name] = like.new_empty(numel, dtype=dtype)
@@ -519,7 +523,8 @@ class Scratch:
         for size in reversed(like.shape):
             strides.append(step)
             step *= size
-        return buffer.as_strided(like.shape, strides[::-1])
+        view = self.views[name] = buffer.as_strided(like.shape, strides[::-1])
+        return view
 
 
 # The log-probs' methods, each fairseq's own where the log-probs are its log_softmax of the logits.

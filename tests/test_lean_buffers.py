@@ -21,12 +21,14 @@ def test_scratch_gives_a_name_the_same_memory_and_grows_it():
     like = torch.zeros(2, 3, 5)
     first = scratch.take("a", like)
     assert first.shape == like.shape and first.is_contiguous() and first.dtype == like.dtype
-    assert scratch.take("a", like).data_ptr() == first.data_ptr()
+    assert scratch.take("a", like) is first  # the same shape: the same tensor
     assert scratch.take("a", torch.zeros(1, 2, 5)).data_ptr() == first.data_ptr()  # a smaller one fits
     assert scratch.take("b", like).data_ptr() != first.data_ptr()
     wider = scratch.take("a", torch.zeros(4, 3, 5))
     assert wider.shape == (4, 3, 5) and wider.is_contiguous()
     assert scratch.take("a", like, torch.float64).dtype == torch.float64
+    again = scratch.take("a", like)
+    assert again.dtype == like.dtype and again.shape == like.shape
 
 
 @pytest.mark.parametrize("speculate", [False, True])
