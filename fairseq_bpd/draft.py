@@ -17,6 +17,7 @@ from fairseq.modules import LayerNorm, MultiheadAttention
 from .heads import (Proposer, after_head1, chain_proposals, choose, decoding_logits, following_tokens,
                     no_proposals, shortlist_logits)
 from .draft_step import DraftState, DraftWeights, Waiting, decode_step, feed_waiting, tree_plan
+from .product import Int8Product, Product
 from .targets import shift_target
 
 
@@ -217,6 +218,19 @@ class DraftDecoder(nn.Module, Proposer):
 
     def forget_arranged(self):
         self._weights = self._weights_key = None  # arranged for decoding only: none kept in training
+        self._reduced_projection = None
+
+    def logits(self, drafted, vocab):
+        """decoding_logits of drafted features ... x C -> ... x N, on an int8 copy of the
+        decoder's proposal projection where the draft's weights are reduced (DraftWeights):
+        made again whenever the decoder arranges its projection anew (another Product)."""
+        projection = self.decoder.proposal_projection(vocab) if self.state.weights.reduced else None
+        if not isinstance(projection, Product):
+            return decoding_logits(self.decoder, drafted, vocab)
+        kept = getattr(self, "_reduced_projection", None)
+        if kept is None or kept[0] is not projection:
+            kept = self._reduced_projection = projection, Int8Product(*projection)
+        return kept[1](drafted.reshape(-1, drafted.size(-1))).view(*drafted.shape[:-1], -1)
 
     def train(self, mode=True):
         self.forget_arranged()
@@ -257,7 +271,7 @@ class DraftDecoder(nn.Module, Proposer):
                 drafted = decode_step(state, drafted, token, None, None, state.longest + i - 1)
             elif i > 0:
                 drafted = decode_step(state, drafted, token, columns[:, i - 1 : i], masks[:, :, i - 1 : i])
-            logits.append(decoding_logits(self.decoder, drafted, vocab))  # b x N
+            logits.append(self.logits(drafted, vocab))  # b x N
             token, best = choose(logits[-1], topn)
             chosen.append(best)
         return chain_proposals(chosen, logits, topn, log_probs)
@@ -355,7 +369,7 @@ class DraftDecoder(nn.Module, Proposer):
                     columns = state.length[:, None] + state.positions[entries]  # b x P
                     g = decode_step(state, inputs, tokens, columns, masks[:, :, entries])
                 g = g.view(b, len(parents), -1)
-            logits = decoding_logits(self.decoder, g, vocab)  # b x P x N
+            logits = self.logits(g, vocab)  # b x P x N
             best = logits.argmax(-1, keepdim=True) if topn == 1 else logits.topk(topn, dim=-1)[1]  # b x P x topn
             chosen[:, children] = best[:, rows, ranks]
         return chosen[:, 1:]

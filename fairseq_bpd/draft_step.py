@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .product import Product
+from .product import INT8_ROWS, Int8Product, Product, reducible
 from .static_pass import merge_heads, product, split_heads, transposed
 
 
@@ -43,6 +43,15 @@ def folded(norm, *linears):
     return Product(norm.weight.detach()[:, None] * weight, torch.addmv(bias, weight.t(), norm.bias.detach()))
 
 
+def reduced_feed_forward(ffn1, ffn2):
+    """The feed-forward's products (C x F, F x C) as Int8Products, its hidden units padded
+    with units of zero weights and bias (an activation of 0 that the zero rows of ffn2 read)
+    to a multiple of INT8_ROWS: ffn2's C must be one."""
+    (w1, b1), (w2, b2) = ffn1, ffn2
+    extra = -w1.size(1) % INT8_ROWS
+    return Int8Product(F.pad(w1, (0, extra)), F.pad(b1, (0, extra))), Int8Product(F.pad(w2, (0, 0, 0, extra)), b2)
+
+
 class DraftWeights:
     """The draft's decoding weights, arranged once per change: products as x · Wᵀ on
     contiguous copies (static_pass.transposed), each layer norm's affine folded into the
@@ -51,7 +60,10 @@ class DraftWeights:
     every token (one row lookup instead of a product and a cat). Under relu the
     feed-forward's second bias is one more hidden unit, always 1 (its pre-activation's
     weights 0, its bias 1; relu(1) = 1), so that its product adds it and the residual:
-    ffn2 is then (weights, None)."""
+    ffn2 is then (weights, None). reduced (float32 on a CPU with bf16 arithmetic,
+    product.reducible): the q, k, v and feed-forward products on int8 weights
+    (Int8Product; the shortlist's too, DraftDecoder.logits), whose rounding changes
+    proposals a little and no output (head 1 verifies them in float32)."""
 
     def __init__(self, draft):
         decoder, width = draft.decoder, draft.fc_in.weight.size(0)
@@ -70,6 +82,9 @@ class DraftWeights:
             (w1, b1), (w2, b2) = self.ffn1, self.ffn2
             self.ffn1 = Product(F.pad(w1, (0, 1)), F.pad(b1, (0, 1), value=1.0))  # C x F+1: the unit
             self.ffn2, self.activation_fn = (torch.cat([w2, b2[None]]), None), torch.relu_  # F+1 x C
+        self.reduced = reducible(self.qkv[0])
+        if self.reduced:  # the widest products on int8 weights (Int8Product); the square ones gain nothing
+            self.qkv, (self.ffn1, self.ffn2) = Int8Product(*self.qkv), reduced_feed_forward(self.ffn1, self.ffn2)
         self.eps = tuple(norm.eps for norm in (draft.self_attn_norm, draft.encoder_attn_norm, draft.ffn_norm,
                                                 draft.final_norm))
 
@@ -263,7 +278,7 @@ def enter(state, features, tokens, columns, start=None):
     z = torch.addmm(w.table.index_select(0, tokens), features, w.features_in)  # b*m x C
     normed = torch.layer_norm(z, (features.size(1),), None, None, w.eps[0])
     if start is not None:
-        return z, torch.addmm(w.qkv[1], normed, w.qkv[0], out=state.slot(start, features.size(0)))  # in the cache
+        return z, w.qkv(normed, out=state.slot(start, features.size(0)))  # in the cache
     qkv = product(normed, w.qkv)  # b*m x 3C
     state.cache[state.column_rows, columns] = qkv.view(*columns.shape, -1)
     return z, qkv
@@ -320,7 +335,9 @@ def decode_step(state, features, tokens, columns, mask, start=None, last=None):
     y = attention(q, state.source_keys, state.source_values, state.source_mask, b, m, w.heads, channels)
     z = z + product(y, w.source_out)
     hidden = w.activation_fn(product(torch.layer_norm(z, (channels,), None, None, eps[2]), w.ffn1))
-    if w.ffn2[1] is None:  # the bias unit: the product adds the bias and the residual
+    if w.reduced:  # an Int8Product's (bf16 where the bias unit adds the bias, its sum float32)
+        z = z + w.ffn2(hidden)
+    elif w.ffn2[1] is None:  # the bias unit: the product adds the bias and the residual
         z = torch.addmm(z, hidden, w.ffn2[0])
     else:
         z = z + product(hidden, w.ffn2)

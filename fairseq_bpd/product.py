@@ -94,3 +94,58 @@ class Product(tuple):
         if self.packed is None:
             self.packed = pack(weight)
         return True
+
+
+REDUCED_VARIABLE = "FAIRSEQ_BPD_REDUCED"
+INT8_MAX = 127
+# torch's int8 weight-only kernel reads a product's C in blocks of 16: with another C it
+# computes garbage or crashes (measured), so a weight's rows are padded to a multiple.
+INT8_ROWS = 16
+# Past this many rows a product reads its weight once for all of them, and oneDNN's packed
+# float32 product is as fast or faster (measured): Int8Product runs a Product there.
+INT8_MOST_ROWS = 4
+
+
+def reducible(weight):
+    """Whether an int8 copy of `weight` (C x N) may serve products whose exactness nothing
+    needs (proposals, which verification checks): float32 on a CPU whose oneDNN has bf16
+    arithmetic, torch's int8 weight-only kernel there, not under autograd. Read when the
+    weights are arranged; $FAIRSEQ_BPD_REDUCED=0 turns it off (measurements of before and after).
+    C a multiple of INT8_ROWS."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.requires_grad
+            and weight.size(0) % INT8_ROWS == 0
+            and os.environ.get(REDUCED_VARIABLE, "1") != "0" and hasattr(torch, "_weight_int8pack_mm")
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Int8Product(tuple):
+    """(W C x N, bias N or None) and x -> x · W + bias, W rounded to int8 per output column
+    (symmetric, its largest magnitude at 127) and x to bf16: at a row or a few a product
+    reads its weight once per row, so a quarter of float32's bytes is most of its cost saved
+    (torch's weight-only kernel). The result is float32 where a bias is added, else bf16 (a
+    sum with float32 promotes it). More rows than INT8_MOST_ROWS, and inputs the kernel
+    cannot take (float64, autograd), run the Product of W (a bias of zeros where none)."""
+
+    def __new__(cls, weight, bias):
+        if weight.size(0) % INT8_ROWS:
+            raise ValueError(f"an Int8Product's weight needs rows in multiples of {INT8_ROWS}, not {weight.size(0)}")
+        self = super().__new__(cls, (weight, bias))
+        scales = weight.abs().amax(0).clamp_min(torch.finfo(weight.dtype).tiny) / INT8_MAX  # N
+        self.quantized = (weight / scales).round_().to(torch.int8).t().contiguous()  # N x C
+        self.scales = scales.bfloat16()
+        self.full = Product(weight, weight.new_zeros(weight.size(1)) if bias is None else bias)
+        return self
+
+    def __reduce__(self):
+        return Int8Product, tuple(self)
+
+    def __call__(self, x, out=None):
+        """x M x C (columns contiguous) -> M x N, into `out` (float32) where given."""
+        if (x.size(0) > INT8_MOST_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad
+                or x.device.type != "cpu"):
+            return self.full(x, out)
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.quantized, self.scales)  # M x N, bf16
+        bias = self[1]
+        if bias is None:
+            return y if out is None else out.copy_(y)
+        return torch.add(y, bias) if out is None else torch.add(y, bias, out=out)
