@@ -519,11 +519,7 @@ class Scratch:
         buffer = self.buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != like.device:
             buffer = self.buffers[name] = like.new_empty(numel, dtype=dtype)
-        strides, step = [], 1
-        for size in reversed(like.shape):
-            strides.append(step)
-            step *= size
-        view = self.views[name] = buffer.as_strided(like.shape, strides[::-1])
+        view = self.views[name] = buffer[:numel].view(like.shape)
         return view
 
 
