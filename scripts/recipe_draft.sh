@@ -15,6 +15,6 @@ SAVE=${SAVE:-$WORK/heads-draft}; HOURS=${HOURS:-1}
 [ -f "$DATA/train.de-en.en.bin" ] || { echo "error: no self-distilled pairs in $DATA: scripts/recipe_chained.sh makes them" >&2; exit 1; }
 # bfloat16 head projections only where the machine computes them natively: elsewhere torch
 # falls back to a reference matrix product many times slower than float32.
-BF16=$(.venv/bin/python -c "from fairseq_bpd.speedup_steps import bf16_is_fast; print('--head-loss-bf16' if bf16_is_fast(cpu=False) else '')" 2>/dev/null)
+BF16=$(.venv/bin/python -c "from fairseq_bpd.speedup_steps import bf16_is_fast; print('--head-loss-bf16' if bf16_is_fast(cpu=False) else '')")
 scripts/train_heads.sh "$DATA" "$BASE" "$SAVE" 8 frozen --head-type draft --head-vocab 2000 \
   $BF16 --max-tokens 4096 --validate-interval-updates 250 --stop-time-hours "$HOURS" "$@"
