@@ -60,10 +60,10 @@ class DraftWeights:
     every token (one row lookup instead of a product and a cat). Under relu the
     feed-forward's second bias is one more hidden unit, always 1 (its pre-activation's
     weights 0, its bias 1; relu(1) = 1), so that its product adds it and the residual:
-    ffn2 is then (weights, None). reduced (float32 on a CPU with bf16 arithmetic,
-    product.reducible): the q, k, v and feed-forward products on int8 weights
-    (Int8Product; the shortlist's too, DraftDecoder.logits), whose rounding changes
-    proposals a little and no output (head 1 verifies them in float32)."""
+    ffn2 is then (weights, None). reduced (float32 on a CPU, product.reducible): the q, k,
+    v and feed-forward products on int8 weights (Int8Product; the shortlist's too,
+    DraftDecoder.logits), whose rounding changes proposals a little and no output (head 1
+    verifies them in float32)."""
 
     def __init__(self, draft):
         decoder, width = draft.decoder, draft.fc_in.weight.size(0)

@@ -108,14 +108,15 @@ INT8_MOST_ROWS = 4
 
 def reducible(weight):
     """Whether an int8 copy of `weight` (C x N) may serve products whose exactness nothing
-    needs (proposals, which verification checks): float32 on a CPU whose oneDNN has bf16
-    arithmetic, torch's int8 weight-only kernel there, not under autograd. Read when the
-    weights are arranged; $FAIRSEQ_BPD_REDUCED=0 turns it off (measurements of before and after).
-    C a multiple of INT8_ROWS."""
+    needs (proposals, which verification checks): float32 on a CPU with torch's int8
+    weight-only kernel, not under autograd. No bf16 instructions are asked for: where the CPU
+    has none the kernel converts in software and still reads a quarter of float32's bytes,
+    which pays on avx2-only CPUs too (measured). Read when the weights are arranged;
+    $FAIRSEQ_BPD_REDUCED=0 turns it off (measurements of before and after). C a multiple of
+    INT8_ROWS."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.requires_grad
             and weight.size(0) % INT8_ROWS == 0
-            and os.environ.get(REDUCED_VARIABLE, "1") != "0" and hasattr(torch, "_weight_int8pack_mm")
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and os.environ.get(REDUCED_VARIABLE, "1") != "0" and hasattr(torch, "_weight_int8pack_mm"))
 
 
 class Int8Product(tuple):
