@@ -1,14 +1,16 @@
 """Decoding's products x · W + b, on a weight arranged once (W C x N, contiguous).
 
-On a CPU, MKL's addmm packs W into its own layout on every call: for the handful of rows a
-block has, that costs more than the product itself, and each further row costs about as
-much as the first. oneDNN's linear reads a weight it packed once (the kernel torch.compile
-uses on CPUs after freezing), so a block of several rows costs little more than one.
+Two CPU kernels compute them, and which is faster for a block's few rows depends on the
+machine. oneDNN's linear reads a weight it packed once (the kernel torch.compile uses on
+CPUs after freezing), so a block of several rows costs little more than one; where MKL's
+addmm packs W into its own layout on every call, that costs more than the product itself.
+Where MKL computes small products directly, oneDNN's call costs more than it saves.
 Product holds both: the packed copy where it applies (float32 on a CPU with oneDNN; not
-under autograd), MKL's addmm otherwise, float64 included, so the tests' exactness checks
-run the same code paths' fallbacks. Either rounds differently from fairseq's own step, as
-any block pass does. $FAIRSEQ_BPD_PACKED=0 turns the packed copies off (measurements of
-before and after).
+under autograd), used for the row counts at which it measured faster on this machine
+(packed_pays), MKL's addmm otherwise, float64 included, so the tests' exactness checks run
+the same code paths' fallbacks. Either rounds differently from fairseq's own step, as any
+block pass does. $FAIRSEQ_BPD_PACKED=0 turns the packed copies off (measurements of before
+and after); =1 uses them wherever they apply, untimed.
 
 When each switch is read: torch.backends.mkldnn's flag on every product, so that
 `with torch.backends.mkldnn.flags(enabled=False)` runs no oneDNN inside it, whatever was
@@ -17,7 +19,9 @@ every product); $FAIRSEQ_BPD_PACKED when the weights are arranged: the first dec
 a model is built, its weights change, or model.eval() (which drops what decoding arranged).
 Set it before decoding, or call model.eval() after setting it.
 """
+import math
 import os
+import time
 
 import torch
 
@@ -25,7 +29,8 @@ PACKED_VARIABLE = "FAIRSEQ_BPD_PACKED"
 # oneDNN picks its weight layout for a row count; 32 served 1 to 128 rows alike (measured).
 PACKING_ROWS = 32
 # One row by a small weight is MKL's matrix-vector product, which oneDNN's call overhead
-# does not beat; a weight this large (an output projection) it does, even for one row.
+# does not beat (measured; not timed); from this size (an output projection) one row is
+# timed too (packed_pays).
 ONE_ROW_PACKED_SIZE = 1 << 20
 
 
@@ -46,6 +51,64 @@ def pack(weight):
     return torch.ops.mkldnn._reorder_linear_weight(weight.t(), PACKING_ROWS)
 
 
+# Which kernel is faster for a few rows is the machine's (measured: on an AMD EPYC the packed
+# copy won from one row; on an Intel Xeon with AMX, MKL's addmm won every layer's product
+# up to 4 rows, oneDNN's call costing more than the product). So, as torch.backends.cudnn.benchmark
+# does, each weight shape, row count (rows_key) and thread count is timed once a process, on
+# its first product, and keeps the faster kernel: PACKED_PAYS. From TIMED_MOST_ROWS rows on
+# (an encoder's, a source's keys) a product reads its weight once for many rows and the packed
+# copy serves untimed: a race there would cost many large products.
+PACKED_PAYS = {}
+TIMED_MOST_ROWS = 64
+RACE_CALLS = 8  # a kernel's calls per round; each kernel's fastest of RACE_ROUNDS rounds counts
+RACE_ROUNDS = 3
+
+
+def rows_key(rows):
+    """The row counts that share a timing: each up to 8, then powers of two (rows of a batch
+    that shrinks as its sentences finish take every value)."""
+    return rows if rows <= 8 else 1 << (rows - 1).bit_length()
+
+
+def fastest(kernels):
+    """The index of the fastest of `kernels` (callables of no argument): each run once to warm
+    up, then RACE_ROUNDS rounds of RACE_CALLS calls each, the kernels' rounds interleaved (a
+    burst of other work slows them alike), each kernel's best round counting."""
+    for kernel in kernels:
+        kernel()
+    best = [math.inf] * len(kernels)
+    for _ in range(RACE_ROUNDS):
+        for i, kernel in enumerate(kernels):
+            start = time.perf_counter()
+            for _ in range(RACE_CALLS):
+                kernel()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best.index(min(best))
+
+
+def packed_pays(product, x):
+    """Whether oneDNN's product on `product`'s packed copy is faster than MKL's addmm for x's
+    rows (x M x C) on this machine at torch's threads now: timed on the first such product
+    of the process (PACKED_PAYS), up to TIMED_MOST_ROWS rows. The kernel changes a product's
+    float32 rounding, and where the two are about as fast a race may pick either: a run
+    that must round alike every time sets $FAIRSEQ_BPD_PACKED=1 (Product.timed)."""
+    rows = x.size(0)
+    if rows >= TIMED_MOST_ROWS or x.dim() != 2 or rows == 0:
+        return True
+    own = (rows, torch.get_num_threads())  # the product's own memo: this runs on every product
+    pays = product.pays.get(own)
+    if pays is None:
+        weight, bias = product
+        key = (tuple(weight.shape), rows_key(rows), own[1])
+        pays = PACKED_PAYS.get(key)
+        if pays is None:
+            pays = PACKED_PAYS[key] = fastest([
+                lambda: torch.addmm(bias, x, weight),
+                lambda: torch.ops.mkldnn._linear_pointwise(x, product.packed, bias, "none", [], "")]) == 1
+        product.pays[own] = pays
+    return pays
+
+
 class Product(tuple):
     """(W C x N, bias N), as the code before it reads them, and x -> x · W + bias.
 
@@ -58,6 +121,10 @@ class Product(tuple):
         self = super().__new__(cls, (weight, bias))
         self.packable = packable(weight)
         self.packed = pack(weight) if self.packable and torch.backends.mkldnn.enabled else None
+        self.pays = {}  # packed_pays's answers for this product, by rows and threads
+        # $FAIRSEQ_BPD_PACKED=1: the packed copy wherever it applies, untimed (runs that must
+        # round alike every time); 0: never; unset: the kernel timed faster (packed_pays)
+        self.timed = os.environ.get(PACKED_VARIABLE) != "1"
         return self
 
     def __reduce__(self):
@@ -85,15 +152,16 @@ class Product(tuple):
 
     def packs(self, x):
         """Whether the product of x (M x C) runs on the packed copy, packing it now where it was
-        put off: not for float64, autograd, another device, mkldnn's flag off, or one row by
-        a small weight (ONE_ROW_PACKED_SIZE)."""
+        put off: not for float64, autograd, another device, mkldnn's flag off, one row by a
+        small weight (ONE_ROW_PACKED_SIZE), or rows for which MKL's addmm is faster here
+        (packed_pays)."""
         weight = self[0]
         if (not self.packable or x.dtype != torch.float32 or x.requires_grad or x.device.type != "cpu"
                 or x.size(0) == 1 and weight.numel() < ONE_ROW_PACKED_SIZE or not torch._C._get_mkldnn_enabled()):
             return False
         if self.packed is None:
             self.packed = pack(weight)
-        return True
+        return not self.timed or packed_pays(self, x)
 
 
 REDUCED_VARIABLE = "FAIRSEQ_BPD_REDUCED"

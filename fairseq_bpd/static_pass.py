@@ -5,8 +5,8 @@ computes the same function as block_layer and fairseq's layers, in fewer operati
 per layer one product gives the block's queries, keys and values (the three
 projections' weights side by side, transposed once, the query's scaling folded in),
 made in the cache's own buffer (StaticCache.write), and the rows stay batch first
-throughout, so no reshape between layers copies; where fc1's product is packed (float32
-on a CPU), a relu after it runs inside it (Product.relu), bit for bit the separate
+throughout, so no reshape between layers copies; where fc1's product runs packed (float32
+on a CPU, where the packed copy was timed faster), a relu after it runs inside it (Product.relu), bit for bit the separate
 operation, one fewer a layer. The weights are arranged once per decoding
 (LeanWeights), not per invocation. The source's keys and values are computed on the
 first call and kept by the cache. It rounds differently from fairseq's step, as any

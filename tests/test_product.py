@@ -1,9 +1,15 @@
 """product.Product: decoding's x · W + b, by oneDNN's packed weight where it applies (float32
-on a CPU), MKL's addmm otherwise; the two agree to float32 rounding."""
+on a CPU) and was timed faster, MKL's addmm otherwise; the two agree to float32 rounding."""
+import time
+
 import pytest
 import torch
+from test_lean_iteration import Operations
 
+from fairseq_bpd import product as product_module
 from fairseq_bpd.product import ONE_ROW_PACKED_SIZE, PACKED_VARIABLE, Product, packing_applies
+
+real_packed_pays = product_module.packed_pays  # the conftest puts a stand-in in its place
 
 
 def weights(rows, columns, dtype=torch.float32, seed=0):
@@ -71,3 +77,88 @@ def test_a_product_survives_deepcopy_and_pickle_with_its_own_packed_copy(dtype):
         assert torch.equal(clone[0], weight) and torch.equal(clone[1], bias)
         assert (clone.packed is None) == (product.packed is None)
         assert torch.equal(clone(x), product(x))
+
+
+def test_fastest_picks_the_quicker_kernel_whatever_its_place():
+    calls = []
+
+    def quick():
+        calls.append("quick")
+
+    def slow():
+        calls.append("slow")
+        time.sleep(0.002)
+
+    assert product_module.fastest([slow, quick]) == 1 and product_module.fastest([quick, slow]) == 0
+    per_kernel = 2 * (1 + product_module.RACE_ROUNDS * product_module.RACE_CALLS)  # two races
+    assert calls.count("quick") == calls.count("slow") == per_kernel
+
+
+def test_rows_share_a_timing_each_up_to_eight_then_by_powers_of_two():
+    assert [product_module.rows_key(r) for r in (1, 2, 7, 8, 9, 16, 17, 100)] == [1, 2, 7, 8, 16, 16, 32, 128]
+
+
+@pytest.mark.parametrize("packed_faster", [False, True])
+def test_the_timed_kernel_serves_its_shape_rows_and_threads_timed_once(packed_faster, monkeypatch):
+    """packed_pays (the conftest's stand-in put aside) times a (shape, rows, threads) on its
+    first product and keeps the answer: the product then runs that kernel alone, and another
+    row count is timed anew."""
+    monkeypatch.setattr(product_module, "packed_pays", real_packed_pays)
+    monkeypatch.setattr(product_module, "PACKED_PAYS", {})
+    races = []
+
+    def fixed(kernels):
+        races.append(len(kernels))
+        return int(packed_faster)
+
+    monkeypatch.setattr(product_module, "fastest", fixed)
+    weight, bias = weights(64, 96)
+    product = Product(weight, bias)
+    if not packing_applies(weight):
+        assert not product.packs(torch.randn(3, 64)) and races == []  # no oneDNN here: nothing timed
+        return
+    x = torch.randn(3, 64)
+    with Operations() as operations:
+        for _ in range(3):
+            product(x)
+    assert races == [2]  # timed once, between addmm and the packed product
+    assert operations.names.count("mkldnn._linear_pointwise.default") == (3 if packed_faster else 0)
+    assert operations.names.count("aten.addmm.default") == (0 if packed_faster else 3)
+    assert list(product_module.PACKED_PAYS) == [((64, 96), 3, torch.get_num_threads())]
+    product(torch.randn(20, 64))
+    assert races == [2, 2] and ((64, 96), 32, torch.get_num_threads()) in product_module.PACKED_PAYS
+
+
+def test_the_real_timing_decides_and_either_kernel_gives_the_product(monkeypatch):
+    """Timed for real on this machine: whichever kernel won, the product is x · W + b."""
+    monkeypatch.setattr(product_module, "packed_pays", real_packed_pays)
+    monkeypatch.setattr(product_module, "PACKED_PAYS", {})
+    weight, bias = weights(256, 768)
+    product = Product(weight, bias)
+    x = torch.randn(4, 256)
+    got = product(x)
+    assert torch.allclose(got, torch.addmm(bias, x, weight), rtol=1e-5, atol=1e-5)
+    assert len(product_module.PACKED_PAYS) == (1 if packing_applies(weight) else 0)
+
+
+def test_many_rows_a_new_thread_count_and_the_variable_set_to_one(monkeypatch):
+    """Rows from TIMED_MOST_ROWS on run packed untimed; another thread count is timed anew;
+    $FAIRSEQ_BPD_PACKED=1 when the weights are arranged runs the packed copy untimed."""
+    monkeypatch.setattr(product_module, "packed_pays", real_packed_pays)
+    monkeypatch.setattr(product_module, "PACKED_PAYS", {})
+    races = []
+    monkeypatch.setattr(product_module, "fastest", lambda kernels: races.append(len(kernels)) or 0)
+    weight, bias = weights(64, 96)
+    if not packing_applies(weight):
+        return
+    product = Product(weight, bias)
+    assert product.packs(torch.randn(product_module.TIMED_MOST_ROWS, 64)) and races == []
+    assert not product.packs(torch.randn(2, 64)) and races == [2]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert not product.packs(torch.randn(2, 64)) and races == [2, 2]
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv(PACKED_VARIABLE, "1")
+    assert Product(weight, bias).packs(torch.randn(2, 64)) and races == [2, 2]
