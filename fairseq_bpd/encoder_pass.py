@@ -6,8 +6,8 @@ multi_head_attention_forward (three separate projections, shape checks, reshapes
 every nn.Linear makes MKL re-pack its weight on each call. encode() computes the same
 function for the encoders it understands (see unsupported) with each layer's queries, keys
 and values from one product (the query's scaling folded in), products on weights packed
-once for oneDNN where that was timed faster (product.Product, as static_pass does for the decoder; float64 stays addmm),
-torch's fused attention, rows time first throughout (S*B x C, as fairseq lays out its
+once for oneDNN where that was timed faster (product.Product, as static_pass does for the
+decoder; float64 stays addmm), torch's fused attention, rows time first throughout (S*B x C, as fairseq lays out its
 encoder output, so that nothing is transposed between layers) and, without padding,
 positions from a table kept per weights. The weights are arranged once per change
 (EncoderWeights, kept with what the decoder keeps and dropped with it by train()). It

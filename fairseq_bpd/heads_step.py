@@ -38,8 +38,8 @@ class Plus:
 
     def __call__(self, x, addend):
         """x M x C, addend M x N or N -> M x N."""
-        if x.size(0) >= self.rows and x.dtype == torch.float32 and not x.requires_grad and self.product.packs(x):
-            return self.product(x).add_(addend)
+        if x.size(0) >= self.rows and self.product.packs(x):  # packs: float32, no autograd
+            return self.product.on_packed(x).add_(addend)
         return torch.addmm(addend, x, self.weight)
 
 

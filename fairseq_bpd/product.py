@@ -104,7 +104,7 @@ def packed_pays(product, x):
         if pays is None:
             pays = PACKED_PAYS[key] = fastest([
                 lambda: torch.addmm(bias, x, weight),
-                lambda: torch.ops.mkldnn._linear_pointwise(x, product.packed, bias, "none", [], "")]) == 1
+                lambda: product.on_packed(x)]) == 1
         product.pays[own] = pays
     return pays
 
@@ -138,8 +138,13 @@ class Product(tuple):
         weight, bias = self
         if not self.packs(x):
             return torch.addmm(bias, x, weight) if out is None else torch.addmm(bias, x, weight, out=out)
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        y = self.on_packed(x)
         return y if out is None else out.copy_(y)
+
+    def on_packed(self, x, activation="none"):
+        """oneDNN's product on the packed copy, `activation` applied inside it; for callers that
+        asked packs(x) already (it is on every product: asked once)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self[1], activation, [], "")
 
     def relu(self, x):
         """relu(x · W + bias), x M x C: on the packed copy oneDNN applies it inside its product
@@ -147,8 +152,8 @@ class Product(tuple):
         adds a matrix (mkldnn._linear_pointwise.binary) measured slower in the block pass than
         the product and an add."""
         if self.packs(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self[1], "relu", [], "")
-        return torch.relu(self(x))
+            return self.on_packed(x, "relu")
+        return torch.relu(torch.addmm(self[1], x, self[0]))
 
     def packs(self, x):
         """Whether the product of x (M x C) runs on the packed copy, packing it now where it was

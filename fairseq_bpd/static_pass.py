@@ -6,8 +6,8 @@ per layer one product gives the block's queries, keys and values (the three
 projections' weights side by side, transposed once, the query's scaling folded in),
 made in the cache's own buffer (StaticCache.write), and the rows stay batch first
 throughout, so no reshape between layers copies; where fc1's product runs packed (float32
-on a CPU, where the packed copy was timed faster), a relu after it runs inside it (Product.relu), bit for bit the separate
-operation, one fewer a layer. The weights are arranged once per decoding
+on a CPU, where the packed copy was timed faster), a relu after it runs inside it
+(Product.relu), bit for bit the separate operation, one fewer a layer. The weights are arranged once per decoding
 (LeanWeights), not per invocation. The source's keys and values are computed on the
 first call and kept by the cache. It rounds differently from fairseq's step, as any
 block pass does, which is why exactness is tested in float64.
