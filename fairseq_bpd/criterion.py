@@ -49,11 +49,15 @@ class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
 
 
 def teacher_forced_block(predictions, valid):
-    """Sum and count of accepted block sizes if decoding followed the reference prefix.
+    """Sum and count of the blocks decoding would accept along the reference prefix.
 
-    predictions: B x T x k argmax of each head; valid: B x T non-pad mask.
-    Head i at t is accepted while it equals head 1's own prediction at t+i-1
-    (what verification would compare it to) and all heads before it were accepted.
+    predictions: B x T x k argmax of each head; valid: B x T non-pad mask. At t the
+    block holds head 1's token and head i's while it equals head 1's own prediction at
+    t+i-1 (what verification compares it to) and every head before it passed. Blocks
+    are counted where decoding makes them: from each sentence's first position, each
+    block starting where the one before it ended. A mean over every position would
+    count the positions after a rejection (the hard ones, where decoding's next block
+    starts) as rarely as any other, and overstate what decoding accepts.
     """
     k = predictions.size(-1)
     accepted = valid.long()
@@ -63,7 +67,12 @@ def teacher_forced_block(predictions, valid):
         agree[:, :-i] = predictions[:, :-i, i].eq(predictions[:, i:, 0]) & valid[:, i:]
         run = run & agree
         accepted += run.long()
-    return accepted.sum(), valid.sum()
+    total = blocks = 0
+    for row, mask in zip(accepted.tolist(), valid.tolist()):
+        t = mask.index(True) if True in mask else len(mask)  # left-padded targets start later
+        while t < len(row) and mask[t]:
+            total, blocks, t = total + row[t], blocks + 1, t + row[t]
+    return torch.tensor(total), torch.tensor(blocks)
 
 
 @register_criterion("blockwise_cross_entropy", dataclass=BlockwiseCrossEntropyConfig)

@@ -97,14 +97,40 @@ def test_head_i_is_trained_on_token_t_plus_i_minus_1(data_dir):
 
 def test_teacher_forced_block():
     valid = torch.tensor([[True] * 5 + [False]])
-    # Head 1's predictions are the reference r0..r4; every head right: min(k, tokens left).
+    # Head 1's predictions are the reference r0..r4; every head right: decoding's blocks
+    # start at 0 (3 tokens) and 3 (the 2 left).
     reference = torch.tensor([[10, 11, 12, 13, 14, 0]])
     perfect = torch.stack([shift_target(reference, i, 0) for i in range(3)], dim=-1)  # 1 x 6 x 3
-    assert [int(v) for v in teacher_forced_block(perfect, valid)] == [3 + 3 + 3 + 2 + 1, 5]
-    # Head 2 wrong at t=1: the block there stops at 1; head 3 right after it does not count.
+    assert [int(v) for v in teacher_forced_block(perfect, valid)] == [3 + 2, 2]
+    # Head 2 wrong at t=1, where no block starts: nothing changes.
+    skipped = perfect.clone()
+    skipped[0, 1, 1] = 99
+    assert [int(v) for v in teacher_forced_block(skipped, valid)] == [3 + 2, 2]
+    # Head 2 wrong at t=0: that block stops at 1 (head 3 right after it does not count),
+    # the next starts at 1 (3 tokens), the last at 4.
     wrong = perfect.clone()
-    wrong[0, 1, 1] = 99
-    assert [int(v) for v in teacher_forced_block(wrong, valid)] == [3 + 1 + 3 + 2 + 1, 5]
+    wrong[0, 0, 1] = 99
+    assert [int(v) for v in teacher_forced_block(wrong, valid)] == [1 + 3 + 1, 3]
+
+
+def test_teacher_forced_block_is_decodings_mean_block():
+    """Blocks where decoding makes them, not at every position: random heads, and the walk
+    by hand (a block of `a` tokens at t, the next at t + a)."""
+    torch.manual_seed(0)
+    valid = torch.tensor([[True] * 9 + [False] * 3, [False] * 2 + [True] * 10])  # right and left padding
+    predictions = torch.randint(5, 8, (2, 12, 4))
+    total, blocks = teacher_forced_block(predictions, valid)
+    expected_total = expected_blocks = 0
+    for b in range(2):
+        positions = valid[b].nonzero()[:, 0].tolist()
+        t = positions[0]
+        while t <= positions[-1]:
+            a = 1
+            while a < 4 and t + a <= positions[-1] and predictions[b, t, a] == predictions[b, t + a, 0]:
+                a += 1
+            expected_total, expected_blocks, t = expected_total + a, expected_blocks + 1, t + a
+    assert (int(total), int(blocks)) == (expected_total, expected_blocks)
+    assert expected_blocks < int(valid.sum())  # some block held more than one token
 
 
 def test_padded_batch_is_the_sum_of_its_sentences(data_dir):
@@ -251,7 +277,7 @@ def test_left_padded_targets_are_masked_for_every_head(data_dir):
     assert [log[f"ntokens_h{h}"] for h in (1, 2, 3)] == [6, 4, 2]
     assert [log[f"total_h{h}"] for h in (1, 2, 3)] == [6, 4, 2]
     assert all(log[f"n_correct_h{h}"] == log[f"total_h{h}"] for h in (1, 2, 3))
-    assert log["block_sum"] == (3 + 3 + 2 + 1) + (2 + 1) and log["block_count"] == 6
+    assert (log["block_sum"], log["block_count"]) == ((3 + 1) + 2, 3)  # blocks at 0 and 3; at 2
 
 
 def test_shortlisted_heads_count_targets_outside_it_as_misses(data_dir):
@@ -269,13 +295,13 @@ def test_shortlisted_heads_count_targets_outside_it_as_misses(data_dir):
     assert [log[f"ntokens_h{h}"] for h in (1, 2, 3)] == [4, 2, 2]  # in the loss
     assert [log[f"total_h{h}"] for h in (1, 2, 3)] == [4, 3, 2]  # in the accuracy
     assert [log[f"n_correct_h{h}"] for h in (1, 2, 3)] == [4, 2, 2]
-    # Head 2 cannot propose the out-of-shortlist token at t=0: block 1 there, then 3, 2, 1.
-    assert (log["block_sum"], log["block_count"]) == (1 + 3 + 2 + 1, 4)
+    # Head 2 cannot propose the out-of-shortlist token at t=0: block 1 there, then 3 from t=1.
+    assert (log["block_sum"], log["block_count"]) == (1 + 3, 2)
     with metrics.aggregate() as aggregate:
         BlockwiseCrossEntropyCriterion.reduce_metrics([log])
     values = aggregate.get_smoothed_values()
     assert values["acc_h2"] == pytest.approx(100 * 2 / 3, abs=1e-2)
-    assert values["acc_h3"] == 100 and values["block"] == pytest.approx(7 / 4, abs=1e-3)
+    assert values["acc_h3"] == 100 and values["block"] == pytest.approx(4 / 2, abs=1e-3)
 
 
 def test_a_model_without_heads_is_named(data_dir):
