@@ -141,7 +141,8 @@ class Timer:
 
 
 def blockwise_generator(model, tgt_dict, options, stats=None):
-    """A blockwise generator from BlockwiseOptions' fields (a dict), through the options API."""
+    """A blockwise generator from BlockwiseOptions' fields (a dict), through the options API;
+    without hypo["attention"] unless the fields ask for it, as fairseq's commands decode."""
     if not os.path.exists(os.path.join(PLUGIN, "options.py")):
         # The before/after table runs this library against commits older than options.py,
         # whose generators took the options as constructor keywords. (A file test, not an
@@ -158,6 +159,8 @@ def blockwise_generator(model, tgt_dict, options, stats=None):
         return cls(model, tgt_dict, stats=stats, **options)
     from .options import BlockwiseOptions
 
+    if "attention" in {f.name for f in dataclasses.fields(BlockwiseOptions)}:  # older commits: always on
+        options = {"attention": False, **options}
     return BlockwiseOptions(**options).generator(model, tgt_dict, stats=stats)
 
 

@@ -210,7 +210,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         return x, extra
 
     def forward_block(self, tokens, positions, encoder_out, incremental_state, self_attn_mask=None,
-                      longest=None):
+                      longest=None, alignment=True):
         """Feed a block of new tokens after the cached prefix (one decoder invocation).
 
         fairseq's incremental path feeds one token; a block needs explicit positions
@@ -223,7 +223,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
         Sentences whose cached prefixes differ in length share the cache's columns, the
         entries not theirs hidden (StaticCache: each row's own length; IncrementalCache:
         the key padding mask). Returns features b x n x C and the alignment layer's
-        attention b x n x S (mean over heads). longest: an int at least positions.max(),
+        attention b x n x S (mean over heads; None with alignment False, where no one reads
+        it: every layer's attention then runs fused). longest: an int at least positions.max(),
         where the caller knows one on the host (the generator does), sparing a wait for it.
         """
         n = tokens.size(1)
@@ -253,12 +254,12 @@ class BlockwiseDecoder(TransformerDecoderBase):
         padding_mask = (
             encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
         )
+        alignment_layer = self.num_layers - 1 if alignment else None
         if type(cache) is StaticCache:
-            x, attn = static_pass(self._lean_weights, cache, x, enc, padding_mask, self_attn_mask,
-                                  self.num_layers - 1)
+            x, attn = static_pass(self._lean_weights, cache, x, enc, padding_mask, self_attn_mask, alignment_layer)
         else:
             x, attn = self.incremental_pass(x.transpose(0, 1), enc, padding_mask, incremental_state, cache,
-                                            self_attn_mask)
+                                            self_attn_mask, alignment_layer)
             x = x.transpose(0, 1)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
@@ -286,8 +287,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
                 cache.position_rows = self._position_table
         return table
 
-    def incremental_pass(self, x, enc, padding_mask, incremental_state, cache, self_attn_mask):
-        """The layers over a block on fairseq's incremental state: x n x b x C -> n x b x C, attention."""
+    def incremental_pass(self, x, enc, padding_mask, incremental_state, cache, self_attn_mask, alignment_layer):
+        """The layers over a block on fairseq's incremental state: x n x b x C -> n x b x C, and
+        the attention of layer `alignment_layer` (None: none)."""
         n = x.size(0)
         full_mask = None  # a single token sees the whole prefix and itself, as in fairseq's step
         if n > 1:
@@ -295,7 +297,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
             full_mask[:, -n:] = self_attn_mask
         attn = None
         for idx, (layer, lean) in enumerate(zip(self.layers, self.lean_layers())):
-            alignment = idx == self.num_layers - 1
+            alignment = idx == alignment_layer
             if lean:  # the same function in fewer operations (block_layer.py)
                 x, layer_attn = block_layer(layer, x, enc, padding_mask, cache, full_mask, alignment)
                 if alignment:

@@ -234,7 +234,8 @@ class BlockwiseGenerator(nn.Module):
                 steps = batch.length[:, None] + tree.depth
                 positions = steps if bounds[1] < max_len else steps.clamp(max=max_len)
             features, block_attn = decoder.forward_block(block, positions, encoder_out, incremental_state, tree.mask,
-                                                         min(bounds[1], max_len))  # the longest position
+                                                         min(bounds[1], max_len),  # the longest position
+                                                         self.options.attention)  # the alignment
             invocations += 1
             # Greedy's own rule on a chain asks the host nothing before its one read (take_stock).
             speculate = n > 1 and self.fused(tree)

@@ -158,7 +158,8 @@ class BlockwiseOptions:
     threads while decoding a batch (0: widths.batch_threads chooses). The other fields
     are the task's flags without their `blockwise_` prefix, and fairseq's generation
     flags that blockwise decoding honours (normalize_scores is `not --unnormalized`,
-    len_penalty --lenpen, unk_penalty --unkpen; max_len 0 is the model's limit).
+    len_penalty --lenpen, unk_penalty --unkpen; max_len 0 is the model's limit). attention:
+    whether hypotheses carry the alignment layer's attention (below).
     """
 
     block_size: Optional[int] = flag("block_size")
@@ -185,6 +186,11 @@ class BlockwiseOptions:
     temperature: float = generation("temperature")
     match_source_len: bool = generation("match_source_len")
     no_repeat_ngram_size: int = generation("no_repeat_ngram_size")
+    # Each hypothesis's hypo["attention"], as fairseq's SequenceGenerator gives it. fairseq's
+    # commands and hub never read it (their alignments come from --print-alignment, which
+    # blockwise decoding refuses): from_configs turns it off, sparing the alignment layer's
+    # attention weights, which the fused attention kernel cannot give, every invocation.
+    attention: bool = True
 
     def __post_init__(self):
         refuse_options(self)
@@ -231,6 +237,7 @@ class BlockwiseOptions:
             temperature=given("temperature"),
             match_source_len=given("match_source_len"),
             no_repeat_ngram_size=given("no_repeat_ngram_size"),
+            attention=False,
         )
 
     @property

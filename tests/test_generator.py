@@ -57,7 +57,38 @@ def assert_same(expected, hypos):
         running, expected_running = h["positional_scores"].cumsum(0), e["positional_scores"].cumsum(0)
         assert torch.allclose(running, expected_running, rtol=1e-6, atol=1e-6)
         assert math.isclose(float(h["score"]), float(e["score"]), rel_tol=1e-6, abs_tol=1e-6)
-        assert torch.allclose(h["attention"], e["attention"], atol=1e-6)
+        if h["attention"].numel():  # the commands' generators make none (options.attention)
+            assert torch.allclose(h["attention"], e["attention"], atol=1e-6)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_without_attention_the_same_output_and_no_alignment_computed(data_dir, static):
+    """attention=False (the commands' options): greedy's tokens and scores, hypo["attention"]
+    empty, and no block pass made the alignment layer's weights, on either cache."""
+    task, model, _ = build(data_dir, "--block-size", "4")
+    model.decoder.static_cache = static
+    sample = random_sample(task, bsz=5, seed=11)
+    expected = greedy(model, task, sample)
+    passes = []
+    forward_block = model.decoder.forward_block
+
+    def spy(*args, **kwargs):
+        out = forward_block(*args, **kwargs)
+        passes.append(out[1])
+        return out
+
+    model.decoder.forward_block = spy
+    try:
+        with_attention, _ = blockwise(model, task, sample, 3)
+        seen = len(passes)
+        without, _ = blockwise(model, task, sample, 3, attention=False)
+    finally:
+        del model.decoder.forward_block
+    assert all(attn is not None for attn in passes[:seen]) and all(attn is None for attn in passes[seen:])
+    for e, a, h in zip(expected, with_attention, without):
+        assert h[0]["tokens"].tolist() == a[0]["tokens"].tolist() == e["tokens"].tolist()
+        assert torch.equal(h[0]["positional_scores"], a[0]["positional_scores"])
+        assert a[0]["attention"].numel() > 0 and h[0]["attention"].numel() == 0
 
 
 @pytest.mark.parametrize("agree", [True, False])

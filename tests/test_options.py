@@ -36,8 +36,10 @@ def test_defaults_are_the_flags_own():
 
 @pytest.mark.parametrize("args", [Namespace(), generation_args(beam=5, max_len_b=200)])
 def test_from_configs_of_defaults_is_the_default(args):
-    """A partial Namespace (--eval-bleu-args' JSON) keeps GenerationConfig's defaults."""
-    assert BlockwiseOptions.from_configs(TranslationBlockwiseConfig(), args) == BlockwiseOptions()
+    """A partial Namespace (--eval-bleu-args' JSON) keeps GenerationConfig's defaults; the
+    commands' hypotheses carry no attention (nothing of fairseq's reads it)."""
+    assert BlockwiseOptions.from_configs(TranslationBlockwiseConfig(), args) == BlockwiseOptions(attention=False)
+    assert BlockwiseOptions().attention  # built directly, as fairseq's SequenceGenerator
 
 
 def test_from_configs_reads_the_task_and_generation_flags(tmp_path):
@@ -49,7 +51,7 @@ def test_from_configs_reads_the_task_and_generation_flags(tmp_path):
     options = BlockwiseOptions.from_configs(cfg, args)
     assert options == BlockwiseOptions(block_size=3, tree=4, tree_rates=((0.9, 0.5), (0.4, 0.1)), proposal_vocab=9,
                                        confidence=0.5, normalize_scores=False, len_penalty=0.6, unk_penalty=-2.0,
-                                       max_len_b=7, temperature=0.7)
+                                       max_len_b=7, temperature=0.7, attention=False)
     assert options.tree_rates == ((0.9, 0.5), (0.4, 0.1))  # the path, loaded
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.topk = 2
