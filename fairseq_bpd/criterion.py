@@ -68,9 +68,12 @@ def teacher_forced_block(predictions, valid):
         run = run & agree
         accepted += run.long()
     total = blocks = 0
-    for row, mask in zip(accepted.tolist(), valid.tolist()):
-        t = mask.index(True) if True in mask else len(mask)  # left-padded targets start later
-        while t < len(row) and mask[t]:
+    for row in accepted.tolist():  # 0 exactly at padding
+        t = 0
+        while t < len(row):
+            if row[t] == 0:  # padding (left-padded targets, a <pad> token in the text): skipped
+                t += 1
+                continue
             total, blocks, t = total + row[t], blocks + 1, t + row[t]
     return torch.tensor(total), torch.tensor(blocks)
 

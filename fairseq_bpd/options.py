@@ -188,8 +188,9 @@ class BlockwiseOptions:
     no_repeat_ngram_size: int = generation("no_repeat_ngram_size")
     # Each hypothesis's hypo["attention"], as fairseq's SequenceGenerator gives it. fairseq's
     # commands and hub never read it (their alignments come from --print-alignment, which
-    # blockwise decoding refuses): from_configs turns it off, sparing the alignment layer's
-    # attention weights, which the fused attention kernel cannot give, every invocation.
+    # blockwise decoding refuses): from_configs turns it off unless asked (the hub's
+    # generate(..., attention=True)), sparing the alignment layer's attention weights, which
+    # the fused attention kernel cannot give, every invocation.
     attention: bool = True
 
     def __post_init__(self):
@@ -237,7 +238,7 @@ class BlockwiseOptions:
             temperature=given("temperature"),
             match_source_len=given("match_source_len"),
             no_repeat_ngram_size=given("no_repeat_ngram_size"),
-            attention=False,
+            attention=bool(getattr(args, "attention", False)),  # the hub's generate(..., attention=True)
         )
 
     @property

@@ -7,6 +7,7 @@ import sys
 from functools import partial
 
 import pytest
+import torch
 
 from cli_support import (
     BLOCK_SIZE, ENV, PLUGIN, SUMMARY, TRAIN, Runs, assert_same_hypotheses, hypotheses, run,
@@ -166,6 +167,13 @@ def test_hub_interface(tiny):
                   hub.generate([hub.encode(s) for s in sentences])):
         assert [hub.decode(h[0]["tokens"]) for h in hypos] == greedy
         assert all(1 <= h[0]["steps"] <= len(h[0]["tokens"]) for h in hypos)
+        assert all(h[0]["attention"].numel() == 0 for h in hypos)  # not asked: not made
+    # Asked for, the hypotheses carry fairseq's attention (source x target).
+    tokens = [hub.encode(s) for s in sentences]
+    stock = load().generate(tokens, beam=1)
+    for h, e in zip(hub.generate(tokens, attention=True), stock):
+        assert h[0]["tokens"].tolist() == e[0]["tokens"].tolist()
+        torch.testing.assert_close(h[0]["attention"], e[0]["attention"], rtol=0, atol=1e-5)
     for beam in (4, 5):  # 5, fairseq's default, is a request when given
         with pytest.raises(BlockwiseRequestError, match=f"--beam {beam} was given"):
             hub.translate(sentences, beam=beam)

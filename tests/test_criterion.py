@@ -117,20 +117,24 @@ def test_teacher_forced_block_is_decodings_mean_block():
     """Blocks where decoding makes them, not at every position: random heads, and the walk
     by hand (a block of `a` tokens at t, the next at t + a)."""
     torch.manual_seed(0)
-    valid = torch.tensor([[True] * 9 + [False] * 3, [False] * 2 + [True] * 10])  # right and left padding
-    predictions = torch.randint(5, 8, (2, 12, 4))
+    # Right and left padding, and a pad inside a sentence (the text's own "<pad>").
+    valid = torch.tensor([[True] * 9 + [False] * 3, [False] * 2 + [True] * 10, [True] * 4 + [False] + [True] * 7])
+    predictions = torch.randint(5, 8, (3, 12, 4))
     total, blocks = teacher_forced_block(predictions, valid)
     expected_total = expected_blocks = 0
-    for b in range(2):
-        positions = valid[b].nonzero()[:, 0].tolist()
-        t = positions[0]
-        while t <= positions[-1]:
+    for b in range(3):
+        t = 0
+        while t < 12:
+            if not valid[b, t]:
+                t += 1
+                continue
             a = 1
-            while a < 4 and t + a <= positions[-1] and predictions[b, t, a] == predictions[b, t + a, 0]:
+            while a < 4 and t + a < 12 and valid[b, t + a] and predictions[b, t, a] == predictions[b, t + a, 0]:
                 a += 1
             expected_total, expected_blocks, t = expected_total + a, expected_blocks + 1, t + a
     assert (int(total), int(blocks)) == (expected_total, expected_blocks)
-    assert expected_blocks < int(valid.sum())  # some block held more than one token
+    assert expected_total == int(valid.sum())  # every token in one block
+    assert expected_blocks < expected_total  # some block held more than one token
 
 
 def test_padded_batch_is_the_sum_of_its_sentences(data_dir):

@@ -47,7 +47,9 @@ def blockwise(model, task, sample, block_size, generator_class=BlockwiseGenerato
     return generator.generate([model], sample), generator
 
 
-def assert_same(expected, hypos):
+def assert_same(expected, hypos, attention=True):
+    """hypos are expected's (fairseq's greedy) tokens and scores; their attention fairseq's
+    too, or (attention False: a generator the task built, as the commands build it) none."""
     assert len(expected) == len(hypos)
     for e, h in zip(expected, hypos):
         h = h[0]
@@ -57,8 +59,10 @@ def assert_same(expected, hypos):
         running, expected_running = h["positional_scores"].cumsum(0), e["positional_scores"].cumsum(0)
         assert torch.allclose(running, expected_running, rtol=1e-6, atol=1e-6)
         assert math.isclose(float(h["score"]), float(e["score"]), rel_tol=1e-6, abs_tol=1e-6)
-        if h["attention"].numel():  # the commands' generators make none (options.attention)
+        if attention:
             assert torch.allclose(h["attention"], e["attention"], atol=1e-6)
+        else:
+            assert h["attention"].numel() == 0
 
 
 @pytest.mark.parametrize("static", [True, False])
