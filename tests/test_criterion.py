@@ -423,3 +423,13 @@ def test_head_loss_bf16_projects_heads_2_to_k_in_bfloat16(data_dir, frozen_base)
     assert torch.allclose(bf16[0], exact[0], rtol=2e-2)
     if not frozen_base:
         assert torch.equal(bf16[2]["loss_h1"], exact[2]["loss_h1"])  # head 1 as before
+
+
+def test_best_token_is_argmax_ties_included():
+    """The accuracy's choice: argmax's (the first of tied maxima), NaN-free rows."""
+    from fairseq_bpd.criterion import best_token
+
+    scores = torch.tensor([[0.0, 1.0, 1.0], [2.0, 2.0, 0.0], [-math.inf, -1.0, -1.0]])
+    assert best_token(scores).tolist() == scores.argmax(-1).tolist() == [1, 0, 1]
+    random_scores = torch.randn(50, 7, 33).round(decimals=1)  # many ties
+    assert torch.equal(best_token(random_scores), random_scores.argmax(-1))
