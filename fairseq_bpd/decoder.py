@@ -69,6 +69,8 @@ class BlockwiseDecoder(TransformerDecoderBase):
             cfg.activation_fn,
             cfg.dropout,
         )
+        if getattr(cfg, "draft_train_heads", 0):  # --head-type draft only (model.draft_train_heads_problem)
+            self.heads.train_heads = cfg.draft_train_heads
 
     @property
     def block_size(self):

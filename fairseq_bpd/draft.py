@@ -74,6 +74,9 @@ class DraftDecoder(nn.Module, Proposer):
     # Blocks of one in a row whose positions wait unfed before their keys and values are
     # written (feed_waiting): what bounds the list held and the next first step.
     waiting_most = 64
+    # --draft-train-heads: the heads whose steps training unrolls (None: all k); decoding
+    # and validation run all k.
+    train_heads = None
 
     def __init__(self, decoder, block_size, layout, ffn_dim, activation_fn, dropout):
         super().__init__()
@@ -122,13 +125,15 @@ class DraftDecoder(nn.Module, Proposer):
     # Training: every position's steps at once, teacher-forced.
 
     def block_features(self, x, count=None, inputs=None, encoder_out=None):
-        """Teacher-forced features of the first `count` heads: x B x T x C -> B x T x count x C.
+        """Teacher-forced features of the first `count` heads: x B x T x C -> B x T x count x C
+        (default: all k, or in training --draft-train-heads).
 
         inputs: B x T, the decoder's input tokens; encoder_out: the base's. Step i (head
         i+1) at position j reads the reference token i steps after input j, and attends
         to entries 0..j of step 1 (the accepted prefix) and to its own steps 2..i at j.
         """
-        count = self.block_size if count is None else count
+        if count is None:
+            count = self.train_heads if self.training and self.train_heads else self.block_size
         if count == 1:
             return x.unsqueeze(-2)
         if inputs is None:
@@ -245,7 +250,8 @@ class DraftDecoder(nn.Module, Proposer):
         self.state.encoder = encoder
         return self.state
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True,
+                confidence=-math.inf):
         """Heads 2..width after the last accepted position, one draft step after another:
         `topn` best tokens each (the Proposer protocol).
 
@@ -253,7 +259,10 @@ class DraftDecoder(nn.Module, Proposer):
         every block since the last proposal); each later step reads the step before and its
         best token, in columns past the accepted prefix, under one mask made for all of them
         (at batch 1 none: each step's window of the cache ends at its own column). A width
-        of 1 drafts nothing (defer).
+        of 1 drafts nothing (defer). Under a confidence the steps stop after the first at
+        which every sentence's sum of top log-probs is below it (EAGLE-2's dynamic draft):
+        the block is cut before that proposal anyway, and a step costs about a fifth of a
+        width-1 invocation.
         """
         if width <= 1:
             self.defer(features, token, encoder_out)
@@ -265,7 +274,7 @@ class DraftDecoder(nn.Module, Proposer):
             if not alone:
                 columns = state.length[:, None] + state.positions[: width - 2]  # b x width-2: each later step's
                 masks = state.mask(columns, state.longest + width - 2)  # b x 1 x width-2 x used
-        chosen, logits = [], []
+        chosen, logits, sure = [], [], 0.0
         for i in range(width - 1):
             if i > 0 and alone:  # head i+2's step reads head i+1's: one entry, in column length + i - 1
                 drafted = decode_step(state, drafted, token, None, None, state.longest + i - 1)
@@ -274,6 +283,10 @@ class DraftDecoder(nn.Module, Proposer):
             logits.append(self.logits(drafted, vocab))  # b x N
             token, best = choose(logits[-1], topn)
             chosen.append(best)
+            if confidence > -math.inf and i < width - 2:
+                sure = sure + logits[-1].log_softmax(dim=-1).amax(dim=-1)  # b: the sum confident_width cuts at
+                if not bool((sure >= confidence).any()):
+                    break
         return chain_proposals(chosen, logits, topn, log_probs)
 
     def defer(self, features, token, encoder_out):

@@ -469,7 +469,7 @@ class BlockwiseGenerator(nn.Module):
             return token.new_zeros(features.size(0), width - 1, self.layout.topn)
         confident = self.log_confidence > -math.inf  # the log-probs are read only to cut the width
         proposals, lprobs = self.proposer.propose(features, token, width, self.proposal_vocab, self.layout.topn,
-                                                  encoder_out, log_probs=confident)
+                                                  encoder_out, log_probs=confident, confidence=self.log_confidence)
         if not confident:
             return proposals
         return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]

@@ -37,11 +37,16 @@ class Proposer:
     # that logits() gives them all at once (speculative sampling draws from them).
     independent = True
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True,
+                confidence=-math.inf):
         """The best `topn` tokens of each of the block's width - 1 proposals, best first, and
         their log-probs over the proposal vocabulary: both b x width-1 x topn. log_probs
         False: None instead of the log-probs, for a caller that reads only the tokens (an
-        exact chain needs each proposal's best token alone)."""
+        exact chain needs each proposal's best token alone). confidence (a log-probability,
+        --blockwise-confidence's, which cuts the block before the first proposal at which a
+        sentence's sum of top log-probs falls below it): a proposer whose proposals cost
+        much each may stop after the first at which every sentence's sum has fallen below
+        it, and return fewer than width - 1."""
         raise NotImplementedError
 
     def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
@@ -139,7 +144,8 @@ class ProposalHeads(Arranged, nn.Module, Proposer):
         """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
         return shortlist_logits(self.decoder, x)
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True,
+                confidence=-math.inf):
         """Heads 2..width after one position: their `topn` best tokens, best first (the
         Proposer protocol; the heads read neither `token` nor `encoder_out`, but a batch's
         encoder output tells when to check the arranged weights: decoding_weights)."""
@@ -329,7 +335,8 @@ class ChainedHeads(Arranged, nn.Module, Proposer):
         """Training logits of heads 2..k: ... x C -> ... x N, N the model's --head-vocab."""
         return shortlist_logits(self.decoder, x)
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True,
+                confidence=-math.inf):
         """Heads 2..width after one position, one after another: `topn` best tokens each
         (the Proposer protocol).
 

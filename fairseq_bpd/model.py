@@ -74,6 +74,15 @@ class BlockwiseHeadsConfig(FairseqDataclass):
             "loss and their proposals cost N/V of the full softmax (0: all)"
         },
     )
+    draft_train_heads: int = field(
+        default=0,
+        metadata={
+            "help": "--head-type draft: train its first N heads only, unrolling N-1 draft "
+            "steps instead of k-1 (0: all k). Every step is the same layer, so decoding's "
+            "later heads run what the first steps learned; a step's self-attention reads "
+            "every step before it, so training's cost grows faster than the steps"
+        },
+    )
 
 
 @register_model("transformer_blockwise")
@@ -97,6 +106,9 @@ class BlockwiseTransformerModel(TransformerModel):
         if args.adaptive_softmax_cutoff:  # at training and at loading alike
             raise BlockwiseRequestError("--adaptive-softmax-cutoff: the proposal heads need the "
                                         "decoder's plain output projection, not an adaptive softmax")
+        problem = draft_train_heads_problem(args)
+        if problem:
+            raise BlockwiseRequestError(problem)
         if args.freeze_base and args.proposal_heads == 1 and args.head_layout == "base":
             raise BlockwiseRequestError("--freeze-base with a single head (k=1) and --head-layout base "
                                         "leaves nothing to train")
@@ -137,6 +149,19 @@ class BlockwiseTransformerModel(TransformerModel):
         return BlockwiseDecoder(
             cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
         )
+
+
+def draft_train_heads_problem(args):
+    """What is wrong with --draft-train-heads for these options, or None."""
+    n = args.draft_train_heads
+    if n == 0:
+        return None
+    if args.head_type != "draft":
+        return (f"--draft-train-heads trains the first steps of --head-type draft, whose steps share one "
+                f"layer; --head-type {args.head_type}'s heads past the first would never train")
+    if not 2 <= n <= args.proposal_heads:
+        return f"--draft-train-heads must be 0 (all) or from 2 to the model's k ({args.proposal_heads}), not {n}"
+    return None
 
 
 def add_proposal_heads(args):

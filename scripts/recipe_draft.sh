@@ -6,6 +6,9 @@
 # validation split that scripts/recipe_chained.sh makes (steps 1-3) in DATA. Resumable from
 # SAVE/checkpoint_last.pt; stops by itself after HOURS of training (fairseq's --stop-time-hours).
 # Batch, learning rate and warmup are the chained heads' (scripts/train_heads.sh frozen).
+# Training unrolls the draft's first 3 steps (--draft-train-heads 4), decoding all 7: a
+# step's self-attention reads every step before it, so 3 steps cost less than half of 7
+# an update, and the later steps run the same layer (docs/draft.md measures both).
 # Usage: [BASE=work/demo/checkpoint.pt] [DATA=work/heads-data/all] [SAVE=work/heads-draft] [HOURS=1]
 #        scripts/recipe_draft.sh [fairseq-train flags...]
 set -euo pipefail
@@ -16,5 +19,5 @@ SAVE=${SAVE:-$WORK/heads-draft}; HOURS=${HOURS:-1}
 # bfloat16 head projections only where the machine computes them natively: elsewhere torch
 # falls back to a reference matrix product many times slower than float32.
 BF16=$(.venv/bin/python -c "from fairseq_bpd.speedup_steps import bf16_is_fast; print('--head-loss-bf16' if bf16_is_fast(cpu=False) else '')")
-scripts/train_heads.sh "$DATA" "$BASE" "$SAVE" 8 frozen --head-type draft --head-vocab 2000 \
+scripts/train_heads.sh "$DATA" "$BASE" "$SAVE" 8 frozen --head-type draft --head-vocab 2000 --draft-train-heads 4 \
   $BF16 --max-tokens 4096 --validate-interval-updates 250 --stop-time-hours "$HOURS" "$@"

@@ -1,4 +1,6 @@
 """--head-type draft: one decoder layer drafts heads 2..k step by step; decoding stays exactly greedy."""
+import math
+
 import pytest
 import torch
 
@@ -121,6 +123,32 @@ def test_random_drafts_give_greedy_output(data_dir, seed, bsz):
     assert_same(expected, blockwise(model, task, sample, 2)[0])
 
 
+@pytest.mark.parametrize("bsz", [1, 7])
+@pytest.mark.parametrize("confidence", [0.05, 0.3, 0.7])
+def test_a_confident_draft_stops_stepping_where_the_block_is_cut(data_dir, monkeypatch, bsz, confidence):
+    """Under --blockwise-confidence the draft stops after the first step at which every
+    sentence falls below it: the same blocks, accepted alike, greedy's output, fewer steps."""
+    import fairseq_bpd.draft as draft_module
+
+    task, model = random_draft(data_dir, 8, 3)
+    sample = random_sample(task, bsz=bsz, seed=4)
+    expected = greedy(model, task, sample)
+    steps, step = [], draft_module.decode_step
+    monkeypatch.setattr(draft_module, "decode_step", lambda *a, **kw: steps.append(1) or step(*a, **kw))
+    runs = {}
+    for stops in (True, False):
+        if not stops:  # every step made, as before the draft stopped early
+            propose = type(model.decoder.heads).propose
+            monkeypatch.setattr(type(model.decoder.heads), "propose",
+                                lambda self, *a, confidence=-math.inf, **kw: propose(self, *a, **kw))
+        steps.clear()
+        hypos, generator = blockwise(model, task, sample, 8, confidence=confidence)
+        assert_same(expected, hypos)
+        runs[stops] = len(steps), generator.stats.invocations, dict(generator.stats.accepted)
+    assert runs[True][1:] == runs[False][1:]
+    assert runs[True][0] < runs[False][0]
+
+
 class WatchedDraft(Proposer):
     """The model's draft, its proposals replaced by greedy's continuation where `agree` says
     (else by wrong tokens), so that blocks are accepted at every length; records each
@@ -139,11 +167,13 @@ class WatchedDraft(Proposer):
             return drafted
         heads.feed_accepted = recorded
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True,
+                confidence=-math.inf):
         if self.sentence is None:
             self.sentence = torch.arange(features.size(0))
         # The log-probs are recorded for the teacher-forced check whether or not the caller reads them.
-        proposals, lprobs = self.heads.propose(features, token, width, vocab, topn, encoder_out)
+        proposals, lprobs = self.heads.propose(features, token, width, vocab, topn, encoder_out,
+                                               confidence=confidence)
         length = self.heads.state.length  # the prefix each row has accepted, BOS included
         self.drafts.append((self.sentence.clone(), length.clone(), proposals[..., 0].clone(), lprobs[..., 0].clone(),
                             vocab))
@@ -332,6 +362,42 @@ def test_loss_by_hand(data_dir):
         assert torch.allclose(log[f"loss_h{head}"].double(), loss, rtol=1e-5), head
 
 
+def test_draft_train_heads_unrolls_the_first_steps_in_training_only(data_dir):
+    """--draft-train-heads 2 on a k=4 draft: training computes and trains head 2 alone, with
+    the loss the full unroll gives it (a later step changes no earlier one); validation and
+    decoding run all four."""
+    task, model, _ = build(data_dir, "--block-size", "4", *DRAFT, "--freeze-base", "--draft-train-heads", "2", seed=6)
+    _, full, _ = build(data_dir, "--block-size", "4", *DRAFT, "--freeze-base", seed=6)
+    torch.nn.init.normal_(model.decoder.heads.fc_out.weight, std=0.5)
+    full.load_state_dict(model.state_dict())
+    sample = translation_batch(task, bsz=3, seed=3)
+    model.train(), full.train()
+    loss, _, log = criterion(task)(model, sample)
+    _, _, full_log = criterion(task)(full, sample)
+    assert "loss_h2" in log and not any(f"loss_h{h}" in log for h in (3, 4))
+    assert torch.allclose(log["loss_h2"], full_log["loss_h2"], rtol=1e-12)
+    loss.backward()
+    assert model.decoder.heads.fc_out.weight.grad.abs().sum() > 0
+    inputs = sample["net_input"]["prev_output_tokens"]
+    encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
+    x, _ = model.decoder.extract_features(inputs, encoder_out)
+    assert model.decoder.heads.block_features(x, inputs=inputs, encoder_out=encoder_out).size(2) == 2
+    model.eval()
+    assert model.decoder.heads.block_features(x, inputs=inputs, encoder_out=encoder_out).size(2) == 4
+    _, _, valid_log = criterion(task)(model, sample)
+    assert all(f"loss_h{h}" in valid_log for h in (2, 3, 4)) and "block_sum" in valid_log
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--head-type", "chained", "--draft-train-heads", "2"), "--head-type chained's heads past the first would never"),
+    ((*DRAFT, "--draft-train-heads", "1"), "--draft-train-heads must be 0 .* from 2 to the model's k \\(4\\), not 1"),
+    ((*DRAFT, "--draft-train-heads", "5"), "--draft-train-heads must be 0 .* not 5"),
+])
+def test_bad_draft_train_heads_are_refused_by_name(data_dir, extra, message):
+    with pytest.raises(ValueError, match=message):
+        build(data_dir, "--block-size", "4", *extra)
+
+
 @pytest.mark.parametrize("head_type", ["independent", "chained"])
 def test_a_checkpoint_of_another_head_type_loads_with_a_fresh_draft(data_dir, head_type):
     _, other, _ = build(data_dir, "--block-size", "3", "--head-type", head_type)
@@ -373,15 +439,16 @@ def test_tree_rates_are_measured_for_the_draft(data_dir):
 
 
 def test_a_frozen_base_translates_unchanged_through_the_clis(tmp_path_factory):
-    """fairseq-train fits a draft to a tiny trained model's frozen base; fairseq-generate and
-    fairseq-interactive with --blockwise then give the base's --beam 1 translations."""
+    """fairseq-train fits a draft to a tiny trained model's frozen base (unrolling its first
+    two heads, --draft-train-heads); fairseq-generate and fairseq-interactive with --blockwise
+    then give the base's --beam 1 translations, drafting all k."""
     from cli_support import BLOCK_SIZE, PLUGIN, TRAIN, assert_same_hypotheses, hypotheses, run, summary, trained
 
     tiny = trained(str(tmp_path_factory.getbasetemp() / "tiny_blockwise"))
     save = tmp_path_factory.mktemp("draft")
     run("fairseq-train", tiny.data, "--user-dir", PLUGIN, "--task", "translation_blockwise",
         "--arch", "transformer_blockwise", "--block-size", BLOCK_SIZE, "--criterion", "blockwise_cross_entropy",
-        *TRAIN, *DRAFT, "--freeze-base", "--max-update", 30, "--finetune-from-model", tiny.checkpoint,
+        *TRAIN, *DRAFT, "--freeze-base", "--draft-train-heads", 2, "--max-update", 30, "--finetune-from-model", tiny.checkpoint,
         "--disable-validation", "--save-dir", save)
     common = ("--user-dir", PLUGIN, "--task", "translation_blockwise", "--cpu", "--batch-size", 8)
     greedy_out = run("fairseq-generate", tiny.data, "--path", tiny.checkpoint, *common, "--beam", 1)
@@ -389,6 +456,7 @@ def test_a_frozen_base_translates_unchanged_through_the_clis(tmp_path_factory):
                   "--block-size", BLOCK_SIZE)  # all k: --blockwise alone here (no width table) is width 1
     assert_same_hypotheses(hypotheses(greedy_out), hypotheses(drafted))
     assert summary(drafted).mean > 1.0  # the draft proposes what the base accepts
+    assert max(summary(drafted).histogram) == 3  # its step past the trained one proposes too
     with open(f"{tiny.raw}/test.de") as f:
         source = "".join(f.readlines()[:5])
     interactive = ("fairseq-interactive", tiny.data, *common, "--buffer-size", 8, "--source-lang", "de",

@@ -1,5 +1,7 @@
 """--head-type draft with --blockwise-tree: each node's children drafted after the node's own
 path (its ancestors' steps only in the draft's self-attention); decoding stays exactly greedy."""
+import math
+
 import pytest
 import torch
 
@@ -66,10 +68,11 @@ class WatchedTree(WatchedDraft):
         super().__init__(heads, references, True, eos)
         self.place, self.nodes_read_proposals, self.trees, self.steps = place, reads, [], []
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True,
+                confidence=-math.inf):
         if self.sentence is None:
             self.sentence = torch.arange(features.size(0))
-        return self.heads.propose(features, token, width, vocab, topn, encoder_out, log_probs)
+        return self.heads.propose(features, token, width, vocab, topn, encoder_out, log_probs, confidence)
 
     def nodes(self, proposals, tree, features, token, vocab=0, encoder_out=None):
         if self.sentence is None:

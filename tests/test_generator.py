@@ -570,13 +570,15 @@ class RecordingProposer(Proposer):
         self.sentence = self.length = None
         self.reorders, self.blocks, self.log_probs = [], 0, []
 
-    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True,
+                confidence=-math.inf):
         assert self.sentence.numel() == features.size(0) == encoder_out["encoder_out"][0].size(1)
         for row, (s, n) in enumerate(zip(self.sentence.tolist(), self.length.tolist())):
             assert int(token[row]) == int(self.references[s][n - 1])  # greedy's next output: its state is right
         self.blocks += 1
         self.log_probs.append(log_probs)
-        return self.heads.propose(features, token, width, vocab, topn, encoder_out, log_probs=log_probs)
+        return self.heads.propose(features, token, width, vocab, topn, encoder_out, log_probs=log_probs,
+                                  confidence=confidence)
 
     def crop(self, path, kept):
         if self.sentence is None:  # the first pass, on BOS alone
