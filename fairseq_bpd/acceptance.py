@@ -260,8 +260,15 @@ def confident_width(best, log_confidence):
     at or above the confidence; the batch shares one block, so the widest sentence
     sets it (the others' extra proposals are verified like any other).
     """
-    confident = best.cumsum(dim=1) >= log_confidence  # a prefix: the sums only fall
-    return int(confident.sum(dim=1).max())
+    # Summed a proposal at a time in best's dtype (not cumsum, which on a CPU sums float32 in
+    # float64): a proposer that stops proposing where every sum has fallen below (the draft)
+    # makes these very sums, so it never stops before the proposal this cuts at.
+    sure = 0.0
+    for width in range(best.size(1)):
+        sure = sure + best[:, width]
+        if not bool((sure >= log_confidence).any()):  # the sums only fall
+            return width
+    return best.size(1)
 
 
 def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):

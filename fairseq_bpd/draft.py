@@ -274,7 +274,7 @@ class DraftDecoder(nn.Module, Proposer):
             if not alone:
                 columns = state.length[:, None] + state.positions[: width - 2]  # b x width-2: each later step's
                 masks = state.mask(columns, state.longest + width - 2)  # b x 1 x width-2 x used
-        chosen, logits, sure = [], [], 0.0
+        chosen, logits, lprobs, sure = [], [], [], 0.0
         for i in range(width - 1):
             if i > 0 and alone:  # head i+2's step reads head i+1's: one entry, in column length + i - 1
                 drafted = decode_step(state, drafted, token, None, None, state.longest + i - 1)
@@ -283,10 +283,13 @@ class DraftDecoder(nn.Module, Proposer):
             logits.append(self.logits(drafted, vocab))  # b x N
             token, best = choose(logits[-1], topn)
             chosen.append(best)
-            if confidence > -math.inf and i < width - 2:
-                sure = sure + logits[-1].log_softmax(dim=-1).amax(dim=-1)  # b: the sum confident_width cuts at
+            if confidence > -math.inf:  # the log-probs returned, each step's: confident_width sums these
+                lprobs.append(logits[-1].log_softmax(dim=-1).gather(-1, best.view(best.size(0), -1)))  # b x topn
+                sure = sure + lprobs[-1][:, 0]  # b: as confident_width sums them
                 if not bool((sure >= confidence).any()):
                     break
+        if lprobs:
+            return chain_proposals(chosen, [], topn, False)[0], torch.stack(lprobs, dim=1)
         return chain_proposals(chosen, logits, topn, log_probs)
 
     def defer(self, features, token, encoder_out):

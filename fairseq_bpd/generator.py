@@ -468,8 +468,10 @@ class BlockwiseGenerator(nn.Module):
             # nothing of propose()'s chain: the tree needs only the width, not the chain's cost.
             return token.new_zeros(features.size(0), width - 1, self.layout.topn)
         confident = self.log_confidence > -math.inf  # the log-probs are read only to cut the width
+        # confidence= only where it is set: a proposer of the protocol before it takes none
+        cut = {"confidence": self.log_confidence} if confident else {}
         proposals, lprobs = self.proposer.propose(features, token, width, self.proposal_vocab, self.layout.topn,
-                                                  encoder_out, log_probs=confident, confidence=self.log_confidence)
+                                                  encoder_out, log_probs=confident, **cut)
         if not confident:
             return proposals
         return proposals[:, : confident_width(lprobs[..., 0], self.log_confidence)]

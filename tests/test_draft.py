@@ -149,6 +149,31 @@ def test_a_confident_draft_stops_stepping_where_the_block_is_cut(data_dir, monke
     assert runs[True][0] < runs[False][0]
 
 
+def test_the_drafts_stop_and_confident_width_cut_at_the_same_sums(data_dir):
+    """Confidences at the very running sums of float32 log-probs (where float64 and float32
+    sums round apart): the draft stopped early and the draft that made every step give the
+    same block width."""
+    from fairseq_bpd.acceptance import confident_width
+
+    task, model, _ = build(data_dir, "--block-size", "8", *DRAFT, dtype=torch.float32)
+    heads, g = model.decoder.heads, torch.Generator().manual_seed(0)
+    sample = random_sample(task, bsz=1, seed=1)
+    encoder_out = model.encoder(**sample["net_input"])
+    features, token, calls = torch.randn(1, 16, generator=g), torch.tensor([6]), {}
+    heads.logits = lambda drafted, vocab: next(calls["next"])  # each step's logits, as given
+    with torch.no_grad():
+        for _ in range(150):
+            sharp = torch.where(torch.rand(7, 1, 1, generator=g) < 0.4, 30.0, 2.0)  # some steps sure
+            logits = [torch.randn(1, 24, generator=g) * s for s in sharp]
+            calls["next"] = iter(logits)
+            _, every = heads.propose(features, token, 8, encoder_out=encoder_out)
+            tops = every[0, :, 0]
+            for confidence in tops.cumsum(0).tolist() + tops.double().cumsum(0).tolist():
+                calls["next"] = iter(logits)
+                _, stopped = heads.propose(features, token, 8, encoder_out=encoder_out, confidence=confidence)
+                assert confident_width(stopped[..., 0], confidence) == confident_width(every[..., 0], confidence)
+
+
 class WatchedDraft(Proposer):
     """The model's draft, its proposals replaced by greedy's continuation where `agree` says
     (else by wrong tokens), so that blocks are accepted at every length; records each

@@ -614,3 +614,18 @@ def test_the_proposer_is_asked_for_log_probs_only_where_confidence_reads_them(da
     generator = BlockwiseGenerator(model, task.target_dictionary, options, proposer=proposer)
     assert_same(expected, generator.generate([model], sample))
     assert proposer.log_probs and set(proposer.log_probs) == {confidence > 0}
+
+
+class ProposerWithoutConfidence(RecordingProposer):
+    """A proposer of the protocol before propose() took a confidence."""
+
+    def propose(self, features, token, width, vocab=0, topn=1, encoder_out=None, log_probs=True):
+        return super().propose(features, token, width, vocab, topn, encoder_out, log_probs)
+
+
+def test_a_proposer_that_takes_no_confidence_still_serves_without_one(data_dir):
+    model, task, sample, expected, references = eos_ending(data_dir)
+    proposer = ProposerWithoutConfidence(model.decoder.heads, references)
+    generator = BlockwiseGenerator(model, task.target_dictionary, BlockwiseOptions(max_len_b=20), proposer=proposer)
+    assert_same(expected, generator.generate([model], sample))
+    assert proposer.blocks > 0
