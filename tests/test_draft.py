@@ -204,7 +204,7 @@ class WatchedDraft(Proposer):
                             vocab))
         for row, (s, n) in enumerate(zip(self.sentence.tolist(), length.tolist())):
             ref = self.references[s].tolist() + [self.eos] * width
-            right = ref[n : n + width - 1]
+            right = ref[n : n + proposals.size(1)]  # under a confidence the draft may stop before width - 1
             agree = self.agree(s, n) if callable(self.agree) else self.agree
             proposals[row, :, 0] = torch.tensor(right if agree else [4 + (x - 3) % 20 for x in right])
         return proposals, lprobs if log_probs else None
