@@ -263,12 +263,11 @@ def confident_width(best, log_confidence):
     # Summed a proposal at a time in best's dtype (not cumsum, which on a CPU sums float32 in
     # float64): a proposer that stops proposing where every sum has fallen below (the draft)
     # makes these very sums, so it never stops before the proposal this cuts at.
-    sure = 0.0
-    for width in range(best.size(1)):
-        sure = sure + best[:, width]
-        if not bool((sure >= log_confidence).any()):  # the sums only fall
-            return width
-    return best.size(1)
+    sums = best.clone()
+    for j in range(1, sums.size(1)):
+        sums[:, j] += sums[:, j - 1]
+    confident = sums >= log_confidence  # a prefix: the sums only fall
+    return int(confident.sum(dim=1).max())
 
 
 def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):

@@ -261,8 +261,8 @@ class DraftDecoder(nn.Module, Proposer):
         (at batch 1 none: each step's window of the cache ends at its own column). A width
         of 1 drafts nothing (defer). Under a confidence the steps stop after the first at
         which every sentence's sum of top log-probs is below it (EAGLE-2's dynamic draft):
-        the block is cut before that proposal anyway, and a step costs about a fifth of a
-        width-1 invocation.
+        the block is cut before that proposal anyway, and each step is a full layer and a
+        shortlist projection.
         """
         if width <= 1:
             self.defer(features, token, encoder_out)
@@ -288,8 +288,8 @@ class DraftDecoder(nn.Module, Proposer):
                 sure = sure + lprobs[-1][:, 0]  # b: as confident_width sums them
                 if not bool((sure >= confidence).any()):
                     break
-        if lprobs:
-            return chain_proposals(chosen, [], topn, False)[0], torch.stack(lprobs, dim=1)
+        if lprobs:  # each step's, as the stop summed them (not made again from the logits)
+            return chain_proposals(chosen, [], topn, False)[0], torch.stack(lprobs, dim=1) if log_probs else None
         return chain_proposals(chosen, logits, topn, log_probs)
 
     def defer(self, features, token, encoder_out):

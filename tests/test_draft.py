@@ -183,7 +183,7 @@ class WatchedDraft(Proposer):
 
     def __init__(self, heads, references, agree, eos):
         self.heads, self.references, self.agree, self.eos = heads, references, agree, eos
-        self.sentence, self.first, self.drafts = None, [], []
+        self.sentence, self.first, self.drafts, self.widths = None, [], [], []
         feed_accepted = heads.feed_accepted
 
         def recorded(state, features, token):
@@ -196,6 +196,7 @@ class WatchedDraft(Proposer):
                 confidence=-math.inf):
         if self.sentence is None:
             self.sentence = torch.arange(features.size(0))
+        self.widths.append(width)  # asked for; under a confidence the draft may make fewer
         # The log-probs are recorded for the teacher-forced check whether or not the caller reads them.
         proposals, lprobs = self.heads.propose(features, token, width, vocab, topn, encoder_out,
                                                confidence=confidence)
