@@ -263,11 +263,14 @@ def confident_width(best, log_confidence):
     # Summed a proposal at a time in best's dtype (not cumsum, which on a CPU sums float32 in
     # float64): a proposer that stops proposing where every sum has fallen below (the draft)
     # makes these very sums, so it never stops before the proposal this cuts at.
+    if best.size(0) == 0:
+        return 0
     sums = best.clone()
     for j in range(1, sums.size(1)):
         sums[:, j] += sums[:, j - 1]
-    confident = sums >= log_confidence  # a prefix: the sums only fall
-    return int(confident.sum(dim=1).max())
+    # Up to each row's first sum below (log-probs only make the sums fall; counted as a prefix
+    # all the same, so that a proposer's log-prob above 0 cannot widen the cut).
+    return int((sums >= log_confidence).cumprod(dim=1).sum(dim=1).max())
 
 
 def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):

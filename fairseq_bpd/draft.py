@@ -283,7 +283,7 @@ class DraftDecoder(nn.Module, Proposer):
             logits.append(self.logits(drafted, vocab))  # b x N
             token, best = choose(logits[-1], topn)
             chosen.append(best)
-            if confidence > -math.inf:  # the log-probs returned, each step's: confident_width sums these
+            if confidence > -math.inf:  # each step's log-probs: confident_width sums these (returned where asked)
                 lprobs.append(logits[-1].log_softmax(dim=-1).gather(-1, best.view(best.size(0), -1)))  # b x topn
                 sure = sure + lprobs[-1][:, 0]  # b: as confident_width sums them
                 if not bool((sure >= confidence).any()):

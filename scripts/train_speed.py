@@ -4,7 +4,8 @@ A train_heads.sh (this clone's, or a worktree's of another commit, whose own .ve
 trains for --updates updates with no checkpoints and no validation; what is measured is
 fairseq's wps, the target words per second of each --log-interval of updates, read from the
 log's train_inner lines past the first --skip updates (start-up and the first batches'
-allocations). One run per call, so that runs of two commits can be interleaved.
+allocations); it prints their mean and each. One run per call, so that runs of two commits
+can be interleaved.
 
 Usage: python scripts/train_speed.py TRAIN_HEADS_SH DATA BASE [--k 8] [--updates 60]
        [--skip 10] [--threads 2] [--log LOG] -- [flags after train_heads.sh's frozen]
@@ -34,9 +35,9 @@ def train(script, data, base, k, updates, threads, flags):
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with tempfile.TemporaryDirectory() as save:
-        command = ["bash", script, data, base, save, str(k), "frozen", *flags,
-                   "--max-update", str(updates), "--log-interval", "10",
-                   "--no-save", "--disable-validation"]
+        # The user's flags after ours: a --log-interval of theirs wins (argparse keeps the last).
+        command = ["bash", script, data, base, save, str(k), "frozen", "--log-interval", "10", *flags,
+                   "--max-update", str(updates), "--no-save", "--disable-validation"]
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         sys.exit(f"error: {script} failed ({done.returncode}):\n{done.stdout[-3000:]}")

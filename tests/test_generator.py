@@ -189,6 +189,11 @@ def test_confident_width_keeps_the_widest_confident_run_in_the_batch():
     assert confident_width(best[1:], math.log(0.75)) == 0
     assert confident_width(best, math.log(0.75)) == 2  # the first sentence sets the width
     assert confident_width(best[1:], math.log(0.4)) == 4
+    assert confident_width(best[:0], math.log(0.5)) == 0  # no sentence: nothing to propose
+    # Cut at each row's first sum below, whatever follows: a log-prob above 0 (not a proposer's
+    # softmax) cannot bring the row back.
+    assert confident_width(torch.tensor([[-1.0, 2.0, -0.5]]), -0.5) == 0
+    assert confident_width(torch.tensor([[-0.1, -1.0, 2.0]]), -0.5) == 1
 
 
 def test_batch_sizes_agree_with_each_other(data_dir):
