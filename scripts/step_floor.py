@@ -17,11 +17,15 @@ once unmeasured first) and the count of sentences whose greedy output matches fa
 import argparse
 import math
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from fairseq.sequence_generator import SequenceGenerator
+
+from fairseq_bpd import bench
+
+MAX_LEN_B = 200  # fairseq-generate's default --max-len-b, for both decoders
 
 
 class FloorStep:
@@ -144,23 +148,16 @@ def floor_greedy(model, sample, tgt_dict, max_len):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--path", required=True)
-    parser.add_argument("--subset", default="test")
+    bench.add_data_args(parser)
     parser.add_argument("--max-sentences", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
-    from fairseq.sequence_generator import SequenceGenerator
-
-    from fairseq_bpd import bench
-
-    torch.set_num_threads(args.threads)
-    model, task, _ = bench.load(args.path, args.data)
+    args.cpu = True  # FloorStep's caches are made on the CPU: the floor is the CPU's
+    model, task, _, _ = bench.setup(args)  # sets the threads, refuses a missing --path or --data
     samples = bench.batches(task, args.subset, 1, args.max_sentences)
     tgt = task.target_dictionary
-    greedy = SequenceGenerator([model], tgt, beam_size=1, max_len_a=0, max_len_b=200)
-    max_len = min(200, model.max_decoder_positions() - 1)
+    greedy = SequenceGenerator([model], tgt, beam_size=1, max_len_a=0, max_len_b=MAX_LEN_B)
+    max_len = min(MAX_LEN_B, model.max_decoder_positions() - 1)  # SequenceGenerator's own bound
     with torch.inference_mode():
         references = [greedy.generate([model], s)[0][0]["tokens"].tolist() for s in samples]
         for s in samples:  # warm-up
