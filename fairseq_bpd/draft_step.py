@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .product import INT8_ROWS, Int8Product, Product, reducible
 from .static_pass import merge_heads, product, split_heads, transposed
 
@@ -329,24 +330,37 @@ def decode_step(state, features, tokens, columns, mask, start=None, last=None):
         used = start + m if mask is None else mask.size(-1)
         if last and m > 1:
             z, features, qkv, m = z[-1:], features[-1:], qkv[-1:], 1
-    y = attention(qkv, *state.window(used), mask, b, m, w.heads, channels)
-    z = z + product(y, w.self_out)
-    q = product(torch.layer_norm(z, (channels,), None, None, eps[1]), w.source_query)
-    y = attention(q, state.source_keys, state.source_values, state.source_mask, b, m, w.heads, channels)
-    z = z + product(y, w.source_out)
-    hidden = w.activation_fn(product(torch.layer_norm(z, (channels,), None, None, eps[2]), w.ffn1))
+    kern = kernels.serve(z)
+    y = attention(kern, qkv, *state.window(used), mask, b, m, w.heads, channels)
+    z, normed = residual(kern, z, product(y, w.self_out), eps[1])
+    y = attention(kern, product(normed, w.source_query), state.source_keys, state.source_values, state.source_mask,
+                  b, m, w.heads, channels)
+    z, normed = residual(kern, z, product(y, w.source_out), eps[2])
+    hidden = w.activation_fn(product(normed, w.ffn1))
     if w.reduced:  # an Int8Product's (bf16 where the bias unit adds the bias, its sum float32)
-        z = z + w.ffn2(hidden)
+        z, normed = residual(kern, z, w.ffn2(hidden), eps[3])
     elif w.ffn2[1] is None:  # the bias unit: the product adds the bias and the residual
         z = torch.addmm(z, hidden, w.ffn2[0])
+        normed = torch.layer_norm(z, (channels,), None, None, eps[3])
     else:
-        z = z + product(hidden, w.ffn2)
-    return features + product(torch.layer_norm(z, (channels,), None, None, eps[3]), w.fc_out)
+        z, normed = residual(kern, z, product(hidden, w.ffn2), eps[3])
+    return features + product(normed, w.fc_out)
 
 
-def attention(q, keys, values, mask, b, m, heads, channels):
+def residual(kern, z, y, eps):
+    """The draft layer's stream after a sublayer whose output is y (b*m x C, fresh: the
+    kernel writes into it), z + y, and its layer norm (no weights: the next sublayer's input)."""
+    if kern is not None and y.dtype == z.dtype:
+        return kern.residual_norm(z, y, None, None, eps, True)
+    z = z + y
+    return z, torch.layer_norm(z, (z.size(1),), None, None, eps)
+
+
+def attention(kern, q, keys, values, mask, b, m, heads, channels):
     """Queries: the first C columns of q (b*m x C or wider, as the q, k, v product makes
     them), over keys, values b x H x L x d under the additive mask (b x 1 x m x L, b x 1 x 1 x
-    L, m x L, or None) -> b*m x C."""
-    y = F.scaled_dot_product_attention(split_heads(q, b, m, heads, 0, channels), keys, values, attn_mask=mask)
-    return merge_heads(y, b, m)
+    L, m x L, or None) -> b*m x C: the compiled kernel's (kernels.serve) where it serves."""
+    q = split_heads(q, b, m, heads, 0, channels)
+    if kern is not None and q.dtype == keys.dtype:
+        return kern.attend(q, keys, values, mask, None).reshape(b * m, channels)
+    return merge_heads(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask), b, m)

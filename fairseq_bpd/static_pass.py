@@ -9,7 +9,9 @@ throughout, so no reshape between layers copies; where fc1's product runs packed
 on a CPU, where the packed copy was timed faster), a relu after it runs inside it
 (Product.relu), bit for bit the separate operation, one fewer a layer. The weights are arranged once per decoding
 (LeanWeights), not per invocation. The source's keys and values are computed on the
-first call and kept by the cache. It rounds differently from fairseq's step, as any
+first call and kept by the cache. Attention over a block's few queries and each residual
+add with its layer norm are one call each to the compiled kernels (fairseq_bpd/kernels.py)
+where they are built; torch's operations otherwise. It rounds differently from fairseq's step, as any
 block pass does, which is why exactness is tested in float64.
 
 A CUDA graph could replay this pass from the same cache: for a batch of B rows and a
@@ -23,6 +25,7 @@ the mask (B x 1 x n x T, where begin slices to max(lengths) + n today); a graph 
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .block_layer import attend
 from .product import Product
 
@@ -125,35 +128,54 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
     x, mask = cache.begin(x, block_mask)
     rows, n, channels = x.shape
     x = x.view(rows * n, channels)
+    kern = kernels.serve(x)
     attn = None
     for i, w in enumerate(lean.layers):
         pre, heads = w["pre"], w["heads"]
+        cross = w["cross"] if encoder_out is not None else None
         # Self-attention: the block's keys and values go into the cache, in place.
         y = normed(w["self_norm"], x) if pre else x
         qkv, k, v = cache.write(i, y, w["qkv"], heads)  # B*n x 3C, made in the cache
         q = split_heads(qkv, rows, n, heads, 0, channels)  # B x h x n x d
-        x = x + product(merge_heads(attend(q, k, v, mask)[0], rows, n), w["out"])
-        if not pre:
-            x = normed(w["self_norm"], x)
-        cross = w["cross"]
-        if cross is not None and encoder_out is not None:
-            y = normed(w["cross_norm"], x) if pre else x
+        y = product(attended(kern, q, k, v, mask, rows, n), w["out"])
+        x, y = residual(kern, x, y, w["self_norm"], (w["cross_norm"] if cross is not None else w["final_norm"]), pre)
+        if cross is not None:
             y, layer_attn = cross_attention(cross, cache, i, y, rows, n, encoder_out, padding_mask,
-                                            i == alignment_layer)
-            x = x + y
-            if not pre:
-                x = normed(w["cross_norm"], x)
+                                            i == alignment_layer, kern)
+            x, y = residual(kern, x, y, w["cross_norm"], w["final_norm"], pre)
             if layer_attn is not None:
                 attn = layer_attn
-        y = normed(w["final_norm"], x) if pre else x
-        x = x + product(feed_forward_hidden(w, y), w["fc2"])
-        if not pre:
-            x = normed(w["final_norm"], x)
+        y = product(feed_forward_hidden(w, y), w["fc2"])
+        x, _ = residual(kern, x, y, w["final_norm"], None, pre)
     x = x.view(rows, n, channels)
     if cache.rows is not None:  # the finished rows' outputs are no one's
         x = x.index_select(0, cache.rows)
         attn = attn.index_select(0, cache.rows) if attn is not None else None
     return x, attn
+
+
+def attended(kern, q, k, v, mask, rows, n):
+    """Attention's output as B*n x C (q B x h x n x d, k and v B x h x T x d, mask additive
+    broadcastable to B x h x n x T, or None): the compiled kernel's where it serves (its
+    output is B x n x h x d, so this is a view), else torch's fused attention's."""
+    if kern is not None:
+        return kern.attend(q, k, v, mask, 1.0).reshape(rows * n, -1)  # q is scaled (as fairseq scales it)
+    return merge_heads(attend(q, k, v, mask)[0], rows, n)
+
+
+def residual(kern, x, y, norm, next_norm, pre):
+    """The residual stream after a sublayer whose output is y (B*n x C, fresh: the kernel
+    writes into it), and the next sublayer's input: post-norm, norm(x + y) twice (the
+    stream is its input); pre-norm, x + y and next_norm of it (None: no next sublayer in
+    the layer; the next layer norms it itself)."""
+    if kern is not None and (not pre or next_norm is not None):
+        out = kern.residual_norm(x, y, *(next_norm if pre else norm)[1:], pre)
+        return (out[0], out[1]) if pre else (out[0], out[0])
+    x = x + y
+    if pre:
+        return x, normed(next_norm, x) if next_norm is not None else None
+    x = normed(norm, x)
+    return x, x
 
 
 def feed_forward_hidden(w, y):
@@ -164,17 +186,26 @@ def feed_forward_hidden(w, y):
     return w["activation"](product(y, w["fc1"]))
 
 
-def cross_attention(w, cache, i, y, rows, n, encoder_out, padding_mask, need_attn):
+def cross_attention(w, cache, i, y, rows, n, encoder_out, padding_mask, need_attn, kern=None):
     """Attention of the block (B*n x C) to the source, its keys and values kept by the cache
     from the first call: B*n x C, and the attention B x n x S averaged over heads (need_attn)."""
-    heads, channels = w["heads"], y.size(1)
-    source = cache.source(i)
-    if source is None:
-        length, batch, _ = encoder_out.shape
-        kv = product(encoder_out.reshape(length * batch, channels), w["kv"]).view(length, batch, 2, heads, -1)
-        source = (kv[:, :, 0].permute(1, 2, 0, 3).contiguous(), kv[:, :, 1].permute(1, 2, 0, 3).contiguous())
-        cache.keep_source(i, *source, padding_mask)
+    heads = w["heads"]
+    source = cache.source(i) or source_keys_values(w, cache, i, encoder_out, padding_mask)
     q = split_heads(product(y, w["q"]), rows, n, heads)
-    out, weights = attend(q, *source, cache.source_mask, need_attn)
-    out = product(merge_heads(out, rows, n), w["out"])
-    return out, weights.mean(dim=1) if need_attn else None
+    if need_attn and kern is None:
+        out, weights = attend(q, *source, cache.source_mask, need_attn)
+        return product(merge_heads(out, rows, n), w["out"]), weights.mean(dim=1)
+    out = product(attended(kern, q, *source, cache.source_mask, rows, n), w["out"])
+    if need_attn:  # the alignment layer's weights, by torch's operations; the output stays the kernel's
+        return out, attend(q, *source, cache.source_mask, need_attn)[1].mean(dim=1)
+    return out, None
+
+
+def source_keys_values(w, cache, i, encoder_out, padding_mask):
+    """Layer i's keys and values of the source (B x h x S x d each), made from encoder_out
+    (S x B x C) on a batch's first pass and kept by the cache."""
+    length, batch, channels = encoder_out.shape
+    kv = product(encoder_out.reshape(length * batch, channels), w["kv"]).view(length, batch, 2, w["heads"], -1)
+    source = (kv[:, :, 0].permute(1, 2, 0, 3).contiguous(), kv[:, :, 1].permute(1, 2, 0, 3).contiguous())
+    cache.keep_source(i, *source, padding_mask)
+    return source

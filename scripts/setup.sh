@@ -18,4 +18,7 @@ $PIP install -r requirements.txt
 $PIP install --no-build-isolation --no-deps --require-hashes -r requirements-fairseq.txt
 $PIP install --no-build-isolation --no-deps -e .
 "$VENV/bin/python" -c "import torch, fairseq, fairseq_bpd; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+# The lean pass's compiled kernels (fairseq_bpd/kernels.py), built now so that decoding never
+# waits for the compiler; without one, decoding runs torch's operations (the same output).
+"$VENV/bin/python" -c 'from fairseq_bpd import kernels; print("built", kernels.build().__file__)' 2>/dev/null || echo "fairseq_bpd: kernels not built (no C++ compiler?); decoding still works" >&2
 echo "$want" > "$STAMP"

@@ -11,6 +11,7 @@ from test_draft import WatchedDraft, assert_first_steps_teacher_forced, assert_p
 from test_generator import assert_same, blockwise, greedy
 from test_lean_iteration import Operations
 
+from fairseq_bpd import kernels
 from fairseq_bpd.draft_step import DraftState
 from fairseq_bpd.generator import BlockwiseGenerator
 from fairseq_bpd.options import BlockwiseOptions
@@ -97,12 +98,25 @@ LATER_STEP = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": 2, "aten.add.Tensor": 3,
     "aten.argmax.default": 1,
 }
+# With the compiled kernels (fairseq_bpd.kernels): each attention and each residual add with
+# its layer norm one call (not dispatched: not counted), making its output (empty) and the
+# attention's rows a view; the entry's norm and the bias unit's stay torch's.
+LATER_STEP_KERNELS = {
+    "aten.index_select.default": 1, "aten.addmm.default": 8, "aten.addmm.out": 1,
+    "aten.native_layer_norm.default": 2, "aten.as_strided.default": 5, "aten.relu_.default": 1,
+    "aten.empty.memory_format": 4, "aten.view.default": 2, "aten.add.Tensor": 1, "aten.argmax.default": 1,
+}
 
 
-def test_a_later_step_at_batch_one_is_28_operations(data_dir):
-    """Dispatched operations at batch 1: each further head adds LATER_STEP's 28; no proposal
-    builds a mask or scatters into the cache; keep() waits on the host once a block (not at
-    all where nothing waits), propose() never."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_later_step_at_batch_one_is_a_fixed_set_of_operations(data_dir, compiled, monkeypatch):
+    """Dispatched operations at batch 1: each further head adds LATER_STEP's 28 (26 and four
+    kernel calls with the compiled kernels); no proposal builds a mask or scatters into the
+    cache; keep() waits on the host once a block (not at all where nothing waits), propose()
+    never."""
+    monkeypatch.setenv(kernels.VARIABLE, "1" if compiled else "0")
+    assert (kernels.module() is not None) == compiled  # the kernels build here (CI's machine too)
+    expected, total = (LATER_STEP_KERNELS, 26) if compiled else (LATER_STEP, 28)
     task, model, _ = draft(data_dir, 8, seed=1)
     heads = model.decoder.heads
     sample = random_sample(task, bsz=1, seed=1)
@@ -122,6 +136,6 @@ def test_a_later_step_at_batch_one_is_28_operations(data_dir):
         assert heads.state.length.tolist() == [4] and heads.state.longest == 4
     for width in range(3, 9):
         step = counts[width] - counts[width - 1]
-        assert dict(step) == LATER_STEP and sum(step.values()) == 28
+        assert dict(step) == expected and sum(step.values()) == total
     _, keep_waits = counted(lambda: heads.keep(path, torch.tensor([1]), features[:, None].expand(1, 8, 16), block))
     assert keep_waits == 1 and heads.state.pending is None
