@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import kernels
+
 
 class Verdict(NamedTuple):
     """Head 1's verdict on a block (verify): candidates and values b x n x K (head 1's
@@ -287,6 +289,14 @@ def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):
     (lprobs whose NaNs are not yet fixed: nothing is asked on the host). out: a b x n x V
     float32 tensor the sums are made in (scratch: nothing returned is a view of it).
     """
+    kern = kernels.serve(lprobs)
+    if kern is not None and lprobs.stride(-1) == 1:  # all of it in one call, the same sums and choices
+        *fused, doubt = kern.exact_chain(lprobs, block, score, limit, eos)
+        if speculate:
+            return (*fused, doubt)
+        if not bool(doubt):
+            return tuple(fused)
+        # a tie at the top or a NaN: torch's topk below chooses, fairseq's choice among ties
     proposals = block[:, 1:]  # b x n-1
     # b x 1 columns, stacked b x n x 1: the running score before each node, broadcast over V.
     columns = chain_sums(score[:, None], lprobs.gather(2, proposals[..., None]).unbind(1))
@@ -300,17 +310,30 @@ def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):
     return (kept, candidates, values, added, before_eos < kept, *doubt)
 
 
-def greedy_step(lprobs, score, eos):
+def greedy_step(lprobs, score, eos, speculate=False):
     """A block of one token (no proposals): head 1's choice, as commit gives it for n = 1.
 
     lprobs: b x 1 x V, score: b. Ranks as verify does (greedy_choice), with nothing to
     accept or roll back. Returns commit's outputs and output scores (b x 1), added (b,
-    all 1) and finished (b).
+    all 1) and finished (b). speculate (lprobs whose NaNs are not yet fixed): the compiled
+    kernel's choice with nothing asked on the host, and also its doubt (a 0-dim bool: a NaN,
+    or a tie at the top; the caller fixes the NaNs and steps again); without the kernels
+    its doubt is always False, the NaNs having been fixed before.
     """
     b, _, V = lprobs.shape
+    kern = kernels.serve(lprobs)
+    if kern is not None and lprobs.stride(-1) == 1:  # a chain of one in one call: its choice, value, EOS
+        _, outputs, values, added, finished, doubt = kern.exact_chain(lprobs, lprobs.new_empty((b, 1), dtype=torch.long),
+                                                                      score, None, eos)
+        if speculate:
+            return outputs, values, added, finished, doubt
+        if not bool(doubt):
+            return outputs, values, added, finished
+        # a tie at the top or a NaN: topk below chooses, fairseq's choice among ties
     # As b x V rows: the choices come out b x 1, the outputs' own shape (no reshaping after).
     values, outputs = greedy_choice(lprobs.reshape(b, V) + score.view(b, 1), 1)
-    return outputs, values, torch.ones_like(score, dtype=torch.long), outputs.view(b) == eos
+    stepped = outputs, values, torch.ones_like(score, dtype=torch.long), outputs.view(b) == eos
+    return (*stepped, torch.zeros((), dtype=torch.bool)) if speculate else stepped
 
 
 def plus(lprobs, running, out=None):

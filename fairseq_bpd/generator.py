@@ -27,6 +27,7 @@ from fairseq.models.fairseq_model import BaseFairseqModel
 from fairseq.models.transformer import TransformerModelBase
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
+from . import kernels
 from .acceptance import TopK, accepted, along, commit, confident_width, exact_chain, greedy_step, rule_for, verify
 from .encoder_pass import encode
 from .options import BlockwiseOptions
@@ -238,7 +239,8 @@ class BlockwiseGenerator(nn.Module):
                                                          self.options.attention)  # the alignment
             invocations += 1
             # Greedy's own rule on a chain asks the host nothing before its one read (take_stock).
-            speculate = n > 1 and self.fused(tree)
+            # So does a block of one where the compiled kernel chooses (it finds a NaN itself).
+            speculate = self.fused(tree) and (n > 1 or kernels.serve(features) is not None)
             lprobs = self.head1_lprobs(features, steps, batch.tokens, block, max_len, tree,
                                        src_lengths[batch.sentence] if self.match_source_len else None, bounds,
                                        checked=not speculate, scratch=scratch)
@@ -311,6 +313,8 @@ class BlockwiseGenerator(nn.Module):
         nothing and returns None.
         """
         _, kept, _, _, added, finished, *doubt = verified
+        if n == 1 and doubt and bool(doubt[0]):  # the compiled kernel's choice, in doubt: counted when made again
+            return None
         if n == 1:  # every sentence added one: no need to ask
             if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
                 self.stats.accepted[1] += added.size(0)
@@ -343,8 +347,8 @@ class BlockwiseGenerator(nn.Module):
         scratch: a Scratch that exact_chain's sums are made in.
         """
         if block.size(1) == 1:  # nothing to verify (the first pass, a width of 1): fairseq's greedy step
-            outputs, output_scores, added, finished = greedy_step(lprobs, score, self.eos)
-            return torch.zeros_like(added), added, outputs, output_scores, added, finished
+            outputs, output_scores, added, finished, *doubt = greedy_step(lprobs, score, self.eos, speculate)
+            return (torch.zeros_like(added), added, outputs, output_scores, added, finished, *doubt)
         if self.fused(tree):
             out = scratch.take("sums", lprobs) if scratch is not None else None
             kept, *committed = exact_chain(lprobs, block, score, limit, self.eos, speculate, out)

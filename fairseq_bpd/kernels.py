@@ -1,13 +1,16 @@
-"""The lean pass's compiled kernels (csrc/lean.cpp): attention for a block's few queries and
-a residual add with its layer norm, each one call where torch takes several.
+"""The decoding loop's compiled kernels (csrc/lean.cpp): attention for a block's few
+queries, a residual add with its layer norm, and an exact chain's verification, each one call
+where torch takes several.
 
 Built with torch's C++ extension tools on first use (scripts/setup.sh builds it once, so
 that decoding never waits for a compiler) into torch's extension cache, for this machine's
-CPU (-march=native: the name carries the CPU's features, so a cache shared between machines
-keeps one build per CPU). Where it cannot be built (no compiler) the log says so once and the
-lean pass runs torch's operations: the same function, more operations.
-$FAIRSEQ_BPD_KERNELS=0 runs torch's operations (before-and-after measurements; read on
-every pass).
+CPU (-march=native). The build's name carries a hash of the source, the flags, torch's
+version and the CPU's features, so checkouts and machines that share a cache keep a build
+each, and none loads another's. A build lock left by a build that was killed (torch waits
+on it forever) is removed once it is STALE_LOCK_SECONDS old. Where the kernels cannot be
+built (no compiler) the log says why once a process and decoding runs torch's operations:
+the same function, more operations. $FAIRSEQ_BPD_KERNELS=0 runs torch's operations
+(before-and-after measurements; read on every pass).
 
   .venv/bin/python -c 'from fairseq_bpd import kernels; print(kernels.build().__file__)'
 """
@@ -15,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 
 import torch
 
@@ -27,23 +31,43 @@ DTYPES = (torch.float32, torch.float64)
 _loaded = {}  # "module": the extension, or None where it could not be built
 
 
+STALE_LOCK_SECONDS = 600  # a build takes under a minute; a lock this old is a killed build's
+FLAGS = ["-O3", "-fopenmp-simd"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
 def cpu_features():
-    """What the compiler's -march=native sees of this CPU, as a short hash (for the build's name)."""
+    """What the compiler's -march=native sees of this CPU (its flags line)."""
     text = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             text += next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return hashlib.sha256(text.encode()).hexdigest()[:10]
+    return text
+
+
+def build_name():
+    """The build's name: a hash of what makes one build differ from another."""
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = b"\0".join([source, " ".join(FLAGS).encode(), torch.__version__.encode(), cpu_features().encode()])
+    return f"fairseq_bpd_lean_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
 def build(verbose=False):
-    """The compiled module (building it if torch's cache has no build of this source for this CPU)."""
-    from torch.utils.cpp_extension import load
+    """The compiled module (building it where torch's cache has no build of this name)."""
+    from torch.utils import cpp_extension
 
-    flags = ["-O3", "-fopenmp-simd"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
-    return load(name=f"fairseq_bpd_lean_{cpu_features()}", sources=[SOURCE], extra_cflags=flags, verbose=verbose)
+    name = build_name()
+    directory = cpp_extension._get_build_directory(name, verbose)  # made where missing
+    lock = os.path.join(directory, "lock")
+    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_SECONDS:
+        logger.warning("fairseq_bpd: removing a stale build lock (%s), left by a build that was stopped", lock)
+        os.remove(lock)
+    if not any(f.endswith(".so") for f in os.listdir(directory)):
+        logger.warning("fairseq_bpd: building the decoding kernels, once, into %s (under a minute)", directory)
+    return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=FLAGS, build_directory=directory,
+                              verbose=verbose)
 
 
 def module():
@@ -61,10 +85,12 @@ def module():
 
 
 def reason(error):
-    """A build failure in one line: the compiler's first error where it gave one."""
+    """A build failure in one line: the compiler's first error, or what was not found, where
+    the output says; else its last line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line]
-    return (errors or lines or [type(error).__name__])[0 if errors else -1]
+    telling = [line for line in lines if "error" in line.lower() and "error building extension" not in line.lower()
+               or "not found" in line.lower()]
+    return (telling or lines or [type(error).__name__])[0 if telling else -1]
 
 
 def serve(x):

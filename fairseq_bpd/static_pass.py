@@ -9,7 +9,7 @@ throughout, so no reshape between layers copies; where fc1's product runs packed
 on a CPU, where the packed copy was timed faster), a relu after it runs inside it
 (Product.relu), bit for bit the separate operation, one fewer a layer. The weights are arranged once per decoding
 (LeanWeights), not per invocation. The source's keys and values are computed on the
-first call and kept by the cache. Attention over a block's few queries and each residual
+first call and kept by the cache. Attention over a block's few queries (float32) and each residual
 add with its layer norm are one call each to the compiled kernels (fairseq_bpd/kernels.py)
 where they are built; torch's operations otherwise. It rounds differently from fairseq's step, as any
 block pass does, which is why exactness is tested in float64.
@@ -156,9 +156,10 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
 
 def attended(kern, q, k, v, mask, rows, n):
     """Attention's output as B*n x C (q B x h x n x d, k and v B x h x T x d, mask additive
-    broadcastable to B x h x n x T, or None): the compiled kernel's where it serves (its
-    output is B x n x h x d, so this is a view), else torch's fused attention's."""
-    if kern is not None:
+    broadcastable to B x h x n x T, or None): the compiled kernel's in float32 (its output
+    is B x n x h x d, so this is a view), else block_layer.attend's (float64: fairseq's
+    softmax in float32, which the float64 exactness checks need to round alike)."""
+    if kern is not None and q.dtype == torch.float32:
         return kern.attend(q, k, v, mask, 1.0).reshape(rows * n, -1)  # q is scaled (as fairseq scales it)
     return merge_heads(attend(q, k, v, mask)[0], rows, n)
 

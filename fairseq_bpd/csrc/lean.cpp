@@ -1,15 +1,17 @@
-// The lean pass's small operations, each one call instead of several of torch's.
+// The decoding loop's small operations, each one call instead of several of torch's.
 //
 // At batch 1 a decoder layer's products are a few microseconds each, and torch's fused
 // attention, its layer norm and a residual add cost as much again in dispatch, thread
-// hand-offs and allocation (fused attention for one query over a few dozen keys: ~15 µs
-// for ~30 k multiply-adds). These loops do the same arithmetic on the CPU for float32 and
-// float64, summing in their own order (float32 rounding differs from torch's, as any
-// block pass's does; the tests check exactness in float64). fairseq_bpd/kernels.py builds
-// and loads this file and says when it cannot.
+// hand-offs and allocation (fused attention for one query over a few dozen keys: ~8 µs for
+// ~8 k multiply-adds); verifying a chain under greedy's rule is some twenty operations over
+// b x n x V log-probs. These loops do the same arithmetic on the CPU, in float32 and float64.
+// attend and residual_norm sum in their own order (float32 rounding differs from torch's,
+// as any block pass's does; fairseq rounds a float64 model's attention softmax in float32,
+// so the decoder's pass leaves float64 attention to torch's operations, which the tests'
+// float64 exactness checks need); exact_chain makes fairseq's own float adds and
+// comparisons, bit for bit. fairseq_bpd/kernels.py builds and loads this file and says when
+// it cannot.
 #include <torch/extension.h>
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,8 +21,8 @@
 
 namespace {
 
-// Work below this many multiply-adds stays on one thread: a thread hand-off costs more.
-constexpr int64_t kGrainWork = 1 << 15;
+// Everything here runs on the calling thread (the extension is built without OpenMP): work
+// large enough to pay for threads goes to torch's own kernels, past these sizes.
 // Attention of more query-key products than this (times d) goes to torch's fused kernel,
 // whose blocked products outrun these loops there; below it these loops, on one thread,
 // beat its dispatch and hand-offs. Likewise a residual norm of more elements than
@@ -68,11 +70,10 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     m0 = mask->stride(0), m1 = mask->stride(1), m2 = mask->stride(2), m3 = mask->stride(3);
   }
   T* o_data = out.data_ptr<T>();  // batch x n x heads x d, contiguous
-  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, keys * d));
-  at::parallel_for(0, batch * heads * n, grain, [&](int64_t begin, int64_t end) {
+  {
     std::vector<T> score(keys);
     std::vector<char> allowed(keys);
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = 0; i < batch * heads * n; ++i) {
       const int64_t b = i / (heads * n), h = (i / n) % heads, r = i % n;
       const T* qi = Q.at(b, h, r);
       T* o = o_data + ((b * n + r) * heads + h) * d;
@@ -117,7 +118,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         for (int64_t c = 0; c < d; ++c) o[c] += p * vj[c];
       }
     }
-  });
+  }
 }
 
 }  // namespace
@@ -136,6 +137,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t batch = q.size(0), heads = q.size(1), n = q.size(2), d = q.size(3), keys = k.size(2);
   TORCH_CHECK(k.size(0) == batch && k.size(1) == heads && k.size(3) == d && v.sizes() == k.sizes(),
               "attend: k and v must be B x h x T x d as q's");
+  if (mask) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type(),
+                "attend: a bool mask or an additive one of q's dtype");
+    TORCH_CHECK(mask->dim() >= 2 && mask->dim() <= 4, "attend: a mask of 2 to 4 dimensions");
+  }
   const double factor = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(d));
   if (batch * heads * n * keys * d > kLargestAttention) {  // B x h x n x d, its rows laid out B x n x h x d
     return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, factor).transpose(1, 2);
@@ -143,8 +149,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   auto out = at::empty({batch, n, heads, d}, q.options());
   std::optional<at::Tensor> expanded;
   if (mask) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type(),
-                "attend: a bool mask or an additive one of q's dtype");
     auto m = *mask;
     while (m.dim() < 4) m = m.unsqueeze(0);
     expanded = m.expand({batch, heads, n, keys});
@@ -193,6 +197,16 @@ std::vector<at::Tensor> residual_norm(const at::Tensor& x, at::Tensor& y, const 
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "residual_norm: contiguous rows");
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "residual_norm: one dtype");
   const int64_t rows = x.size(0), c = x.size(1);
+  TORCH_CHECK(rows < 2 || y.stride(0) >= c, "residual_norm: y's rows must not overlap (it is written)");
+  for (const auto* param : {&weight, &bias}) {
+    TORCH_CHECK(!*param || ((*param)->numel() == c && (*param)->is_contiguous() &&
+                            (*param)->scalar_type() == y.scalar_type()),
+                "residual_norm: weight and bias of C values, contiguous, y's dtype");
+  }
+  if (rows == 0 || c == 0) {
+    if (pre) return {y.add_(x), at::layer_norm(y, {c}, weight, bias, eps)};
+    return {y};
+  }
   if (rows * c > kLargestNorm) {
     y.add_(x);
     auto normed = at::layer_norm(y, {c}, weight, bias, eps);
@@ -208,20 +222,122 @@ std::vector<at::Tensor> residual_norm(const at::Tensor& x, at::Tensor& y, const 
     scalar_t* ys = y.data_ptr<scalar_t>();
     scalar_t* ns = normed.data_ptr<scalar_t>();
     const int64_t xr = x.stride(0), yr = y.stride(0), nr = normed.stride(0);
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainWork / (4 * c)), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* row = ys + r * yr;
-        const scalar_t* add = xs + r * xr;
-        for (int64_t i = 0; i < c; ++i) row[i] += add[i];
-        norm_row(row, ns + r * nr, w, b, c, eps);
-      }
-    });
+    for (int64_t r = 0; r < rows; ++r) {
+      scalar_t* row = ys + r * yr;
+      const scalar_t* add = xs + r * xr;
+      for (int64_t i = 0; i < c; ++i) row[i] += add[i];
+      norm_row(row, ns + r * nr, w, b, c, eps);
+    }
   });
   if (pre) return {y, normed};
   return {y};
 }
 
+namespace {
+
+// Row r's maximum of (lprob + running) over V values, the first index where it is, and
+// whether it is in doubt: a NaN anywhere, or the maximum not the only one (all -inf included,
+// as torch's reductions find them). The sums are the float adds fairseq makes.
+template <typename T>
+void row_best(const T* row, int64_t V, T running, T* value, int64_t* index, bool* doubt) {
+  T best = -std::numeric_limits<T>::infinity();
+  int nans = 0;
+#pragma omp simd reduction(max : best) reduction(+ : nans)
+  for (int64_t k = 0; k < V; ++k) {
+    const T v = row[k] + running;
+    nans += v != v;
+    best = v > best ? v : best;
+  }
+  const bool nan = nans > 0;
+  // The hits counted in vectorised chunks; the first one looked for only in its chunk.
+  constexpr int64_t kChunk = 64;
+  int64_t hits = 0, first = -1;
+  for (int64_t start = 0; start < V; start += kChunk) {
+    const int64_t end = std::min(V, start + kChunk);
+    int found = 0;
+#pragma omp simd reduction(+ : found)
+    for (int64_t k = start; k < end; ++k) found += (row[k] + running) == best;
+    if (found && first < 0) {
+      first = start;
+      while ((row[first] + running) != best) ++first;
+    }
+    hits += found;
+  }
+  *value = best;
+  *index = first < 0 ? 0 : first;
+  *doubt = nan || hits != 1;
+}
+
+}  // namespace
+
+// Greedy's own rule on a chain, verify, accept and commit fused (acceptance.exact_chain
+// computes the same with torch's operations, whose sums and comparisons these are, bit for
+// bit): lprobs b x n x V (head 1's, after each block token), block b x n (the last token,
+// then the proposals), score b (the running score), limit b or None (the most outputs a
+// sentence may add), eos. Returns kept b, candidates b x n (head 1's choice after each
+// block token), values b x n (its running score), added b, finished b, and doubt (0-dim
+// bool: the maximum of a row whose choice is read was not its only one, or a score there
+// was NaN; the choice is then not to be trusted, and the caller decides as torch's topk
+// would).
+std::vector<at::Tensor> exact_chain(const at::Tensor& lprobs, const at::Tensor& block, const at::Tensor& score,
+                                    const std::optional<at::Tensor>& limit, int64_t eos) {
+  TORCH_CHECK(lprobs.dim() == 3 && lprobs.stride(2) == 1, "exact_chain: lprobs b x n x V, rows contiguous");
+  TORCH_CHECK(block.dim() == 2 && block.scalar_type() == at::kLong, "exact_chain: block b x n, long");
+  const int64_t b = lprobs.size(0), n = lprobs.size(1), V = lprobs.size(2);
+  TORCH_CHECK(block.size(0) == b && block.size(1) == n && score.numel() == b, "exact_chain: b x n block, b scores");
+  auto block_c = block.contiguous();
+  auto running_in = score.to(lprobs.scalar_type()).contiguous();
+  auto long_opts = block.options();
+  auto candidates = at::empty({b, n}, long_opts);
+  auto values = at::empty({b, n}, lprobs.options());
+  auto kept = at::empty({b}, long_opts), added = at::empty({b}, long_opts);
+  auto finished = at::empty({b}, block.options().dtype(at::kBool));
+  std::vector<char> doubts(b * n, 0);
+  bool any_doubt = false;
+  std::optional<at::Tensor> limits;
+  if (limit) limits = limit->to(at::kLong).contiguous();
+  AT_DISPATCH_FLOATING_TYPES(lprobs.scalar_type(), "exact_chain", [&] {
+    const scalar_t* lp = lprobs.data_ptr<scalar_t>();
+    const int64_t s0 = lprobs.stride(0), s1 = lprobs.stride(1);
+    const int64_t* tokens = block_c.data_ptr<int64_t>();
+    const scalar_t* score_in = running_in.data_ptr<scalar_t>();
+    int64_t* cand = candidates.data_ptr<int64_t>();
+    scalar_t* vals = values.data_ptr<scalar_t>();
+    // The running score before each block token, in fairseq's order: one add a node.
+    std::vector<scalar_t> running(b * n);
+    for (int64_t i = 0; i < b; ++i) {
+      running[i * n] = score_in[i];
+      for (int64_t j = 1; j < n; ++j)
+        running[i * n + j] = running[i * n + j - 1] + lp[i * s0 + (j - 1) * s1 + tokens[i * n + j]];
+    }
+    for (int64_t r = 0; r < b * n; ++r) {
+      const int64_t i = r / n, j = r % n;
+      bool doubt = false;
+      row_best(lp + i * s0 + j * s1, V, running[r], vals + r, cand + r, &doubt);
+      doubts[r] = doubt;
+    }
+    const int64_t* lim = limits ? limits->data_ptr<int64_t>() : nullptr;
+    for (int64_t i = 0; i < b; ++i) {
+      int64_t k = 1;  // the last token, then each proposal that is head 1's choice with a finite score
+      while (k < n && cand[i * n + k - 1] == tokens[i * n + k] &&
+             vals[i * n + k - 1] > -std::numeric_limits<scalar_t>::infinity())
+        ++k;
+      if (lim) k = std::min(k, lim[i]);
+      // Only the kept rows' choices are read (the outputs, up to head 1's choice after the last
+      // kept token): a doubt past them (a row all -inf after a forbidden proposal) is no one's.
+      for (int64_t j = 0; j < k; ++j) any_doubt = any_doubt || doubts[i * n + j];
+      int64_t before_eos = 0;
+      while (before_eos < n && cand[i * n + before_eos] != eos) ++before_eos;
+      kept.data_ptr<int64_t>()[i] = k;
+      added.data_ptr<int64_t>()[i] = std::min(k, before_eos + 1);
+      finished.data_ptr<bool>()[i] = before_eos < k;
+    }
+  });
+  return {kept, candidates, values, added, finished, at::scalar_tensor(any_doubt, block.options().dtype(at::kBool))};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("exact_chain", &exact_chain, "greedy's rule on a chain: verify, accept and commit fused");
   m.def("attend", &attend, "softmax(q kᵀ + mask) v, B x n x h x d");
   m.def("residual_norm", &residual_norm, "y = x + y, then its layer norm");
 }
