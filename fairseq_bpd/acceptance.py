@@ -290,7 +290,8 @@ def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):
     float32 tensor the sums are made in (scratch: nothing returned is a view of it).
     """
     kern = kernels.serve(lprobs)
-    if kern is not None and lprobs.stride(-1) == 1:  # all of it in one call, the same sums and choices
+    if kern is not None and lprobs.stride(-1) == 1 and score.dtype in (torch.float32, lprobs.dtype):
+        # all of it in one call, the same sums and choices (score as fairseq keeps it: float32)
         *fused, doubt = kern.exact_chain(lprobs, block, score, limit, eos)
         if speculate:
             return (*fused, doubt)
@@ -315,14 +316,14 @@ def greedy_step(lprobs, score, eos, speculate=False):
 
     lprobs: b x 1 x V, score: b. Ranks as verify does (greedy_choice), with nothing to
     accept or roll back. Returns commit's outputs and output scores (b x 1), added (b,
-    all 1) and finished (b). speculate (lprobs whose NaNs are not yet fixed): the compiled
-    kernel's choice with nothing asked on the host, and also its doubt (a 0-dim bool: a NaN,
-    or a tie at the top; the caller fixes the NaNs and steps again); without the kernels
-    its doubt is always False, the NaNs having been fixed before.
+    all 1) and finished (b). speculate (lprobs whose NaNs may not be fixed yet): nothing
+    asked on the host, and also a doubt (a 0-dim bool: a NaN, or for the compiled kernel's
+    choice a tie at the top; the caller fixes the NaNs and steps again).
     """
     b, _, V = lprobs.shape
     kern = kernels.serve(lprobs)
-    if kern is not None and lprobs.stride(-1) == 1:  # a chain of one in one call: its choice, value, EOS
+    if kern is not None and lprobs.stride(-1) == 1 and score.dtype in (torch.float32, lprobs.dtype):
+        # a chain of one in one call: its choice, value, EOS
         _, outputs, values, added, finished, doubt = kern.exact_chain(lprobs, lprobs.new_empty((b, 1), dtype=torch.long),
                                                                       score, None, eos)
         if speculate:
@@ -333,7 +334,7 @@ def greedy_step(lprobs, score, eos, speculate=False):
     # As b x V rows: the choices come out b x 1, the outputs' own shape (no reshaping after).
     values, outputs = greedy_choice(lprobs.reshape(b, V) + score.view(b, 1), 1)
     stepped = outputs, values, torch.ones_like(score, dtype=torch.long), outputs.view(b) == eos
-    return (*stepped, torch.zeros((), dtype=torch.bool)) if speculate else stepped
+    return (*stepped, lprobs.isnan().any()) if speculate else stepped  # topk would rank a NaN first
 
 
 def plus(lprobs, running, out=None):

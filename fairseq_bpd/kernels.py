@@ -63,7 +63,10 @@ def build(verbose=False):
     lock = os.path.join(directory, "lock")
     if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_SECONDS:
         logger.warning("fairseq_bpd: removing a stale build lock (%s), left by a build that was stopped", lock)
-        os.remove(lock)
+        try:
+            os.remove(lock)
+        except FileNotFoundError:  # another process removed it first
+            pass
     if not any(f.endswith(".so") for f in os.listdir(directory)):
         logger.warning("fairseq_bpd: building the decoding kernels, once, into %s (under a minute)", directory)
     return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=FLAGS, build_directory=directory,
@@ -88,8 +91,7 @@ def reason(error):
     """A build failure in one line: the compiler's first error, or what was not found, where
     the output says; else its last line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    telling = [line for line in lines if "error" in line.lower() and "error building extension" not in line.lower()
-               or "not found" in line.lower()]
+    telling = [line for line in lines if "error:" in line.lower() or "not found" in line.lower()]
     return (telling or lines or [type(error).__name__])[0 if telling else -1]
 
 

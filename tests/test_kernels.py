@@ -214,7 +214,8 @@ def test_a_build_failure_is_named_by_its_cause():
     ninja = ("Error building extension 'fairseq_bpd_lean_x'\n[1/2] c++ -MMD -c lean.cpp\n"
              "/bin/sh: 1: c++: not found\nninja: build stopped: subcommand failed.")
     assert kernels.reason(RuntimeError(ninja)) == "/bin/sh: 1: c++: not found"
-    compiler = "Error building extension 'x'\nlean.cpp:3:1: error: expected ';'\nmore"
+    compiler = ("Error building extension 'x'\nIn file included from /usr/include/c++/12/error_constants.h:3\n"
+                "lean.cpp:3:1: error: expected ';'\nmore")
     assert kernels.reason(RuntimeError(compiler)) == "lean.cpp:3:1: error: expected ';'"
     assert kernels.reason(OSError("")) == "OSError"
 
@@ -303,3 +304,32 @@ def test_a_float32_tie_in_fairseqs_log_probs_is_broken_as_greedy_breaks_it(data_
                     assert [h[0]["tokens"].tolist() for h in hypos] == [e["tokens"].tolist() for e in expected]
                 weight.copy_(kept)
     assert constructed >= 5
+
+
+def test_a_speculative_step_off_the_kernel_still_doubts_a_nan(kern):
+    """Log-probs the kernel does not take (a strided view) run torch's choice, whose topk
+    ranks a NaN first: speculating, its doubt says so, for the caller to fix and step again."""
+    from fairseq_bpd.acceptance import greedy_step
+
+    lprobs = torch.randn(1, 1, 20).log_softmax(-1)[..., ::2]
+    lprobs[0, 0, 3] = math.nan
+    assert lprobs.stride(-1) == 2
+    assert bool(greedy_step(lprobs, torch.zeros(1), 2, speculate=True)[-1])
+    assert bool(greedy_step(lprobs.contiguous(), torch.zeros(1), 2, speculate=True)[-1])
+
+
+def test_exact_chain_refuses_what_it_would_misread(kern):
+    lprobs, score = torch.randn(2, 3, 10).log_softmax(-1), torch.zeros(2)
+    block = torch.tensor([[1, 2, 3], [1, 10, 3]])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        kern.exact_chain(lprobs, block, score, None, 2)
+    block[1, 1] = -1
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        kern.exact_chain(lprobs, block, score, None, 2)
+    block[1, 1] = 2
+    with pytest.raises(RuntimeError, match="b limits"):
+        kern.exact_chain(lprobs, block, score, torch.tensor([2]), 2)
+    with pytest.raises(RuntimeError, match="b running scores"):
+        kern.exact_chain(lprobs, block, score[:, None], None, 2)
+    with pytest.raises(RuntimeError, match="n >= 1"):
+        kern.exact_chain(lprobs[:, :0], block[:, :0], score, None, 2)

@@ -284,7 +284,9 @@ std::vector<at::Tensor> exact_chain(const at::Tensor& lprobs, const at::Tensor& 
   TORCH_CHECK(lprobs.dim() == 3 && lprobs.stride(2) == 1, "exact_chain: lprobs b x n x V, rows contiguous");
   TORCH_CHECK(block.dim() == 2 && block.scalar_type() == at::kLong, "exact_chain: block b x n, long");
   const int64_t b = lprobs.size(0), n = lprobs.size(1), V = lprobs.size(2);
-  TORCH_CHECK(block.size(0) == b && block.size(1) == n && score.numel() == b, "exact_chain: b x n block, b scores");
+  TORCH_CHECK(block.size(0) == b && block.size(1) == n && n >= 1, "exact_chain: a b x n block, n >= 1");
+  TORCH_CHECK(score.dim() == 1 && score.size(0) == b, "exact_chain: b running scores");
+  TORCH_CHECK(!limit || (limit->dim() == 1 && limit->size(0) == b), "exact_chain: b limits");
   auto block_c = block.contiguous();
   auto running_in = score.to(lprobs.scalar_type()).contiguous();
   auto long_opts = block.options();
@@ -307,6 +309,8 @@ std::vector<at::Tensor> exact_chain(const at::Tensor& lprobs, const at::Tensor& 
     std::vector<scalar_t> running(b * n);
     for (int64_t i = 0; i < b; ++i) {
       running[i * n] = score_in[i];
+      for (int64_t j = 1; j < n; ++j)
+        TORCH_CHECK(tokens[i * n + j] >= 0 && tokens[i * n + j] < V, "exact_chain: a proposal outside the vocabulary");
       for (int64_t j = 1; j < n; ++j)
         running[i * n + j] = running[i * n + j - 1] + lp[i * s0 + (j - 1) * s1 + tokens[i * n + j]];
     }
