@@ -275,6 +275,16 @@ def confident_width(best, log_confidence):
     return int((sums >= log_confidence).cumprod(dim=1).sum(dim=1).max())
 
 
+def chain_kernel(lprobs, score):
+    """The compiled kernels where their exact_chain takes these log-probs (b x n x V, rows
+    contiguous) and running score (float32, as fairseq keeps it, or the log-probs' dtype,
+    so that its sums are torch's); else None."""
+    kern = kernels.serve(lprobs)
+    if kern is None or lprobs.stride(-1) != 1 or score.dtype not in (torch.float32, lprobs.dtype):
+        return None
+    return kern
+
+
 def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):
     """verify, accept and commit fused, for greedy's own rule (TopK(1)) on a chain.
 
@@ -289,9 +299,8 @@ def exact_chain(lprobs, block, score, limit, eos, speculate=False, out=None):
     (lprobs whose NaNs are not yet fixed: nothing is asked on the host). out: a b x n x V
     float32 tensor the sums are made in (scratch: nothing returned is a view of it).
     """
-    kern = kernels.serve(lprobs)
-    if kern is not None and lprobs.stride(-1) == 1 and score.dtype in (torch.float32, lprobs.dtype):
-        # all of it in one call, the same sums and choices (score as fairseq keeps it: float32)
+    kern = chain_kernel(lprobs, score)
+    if kern is not None:  # all of it in one call, the same sums and choices
         *fused, doubt = kern.exact_chain(lprobs, block, score, limit, eos)
         if speculate:
             return (*fused, doubt)
@@ -321,9 +330,8 @@ def greedy_step(lprobs, score, eos, speculate=False):
     choice a tie at the top; the caller fixes the NaNs and steps again).
     """
     b, _, V = lprobs.shape
-    kern = kernels.serve(lprobs)
-    if kern is not None and lprobs.stride(-1) == 1 and score.dtype in (torch.float32, lprobs.dtype):
-        # a chain of one in one call: its choice, value, EOS
+    kern = chain_kernel(lprobs, score)
+    if kern is not None:  # a chain of one in one call: its choice, value, EOS
         _, outputs, values, added, finished, doubt = kern.exact_chain(lprobs, lprobs.new_empty((b, 1), dtype=torch.long),
                                                                       score, None, eos)
         if speculate:

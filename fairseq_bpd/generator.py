@@ -313,9 +313,9 @@ class BlockwiseGenerator(nn.Module):
         nothing and returns None.
         """
         _, kept, _, _, added, finished, *doubt = verified
-        if n == 1 and doubt and bool(doubt[0]):  # the compiled kernel's choice, in doubt: counted when made again
-            return None
         if n == 1:  # every sentence added one: no need to ask
+            if doubt and bool(doubt[0]):  # the compiled kernel's choice, in doubt: counted when made again
+                return None
             if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
                 self.stats.accepted[1] += added.size(0)
             return None, 1 if known_length else None, None

@@ -70,53 +70,51 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     m0 = mask->stride(0), m1 = mask->stride(1), m2 = mask->stride(2), m3 = mask->stride(3);
   }
   T* o_data = out.data_ptr<T>();  // batch x n x heads x d, contiguous
-  {
-    std::vector<T> score(keys);
-    std::vector<char> allowed(keys);
-    for (int64_t i = 0; i < batch * heads * n; ++i) {
-      const int64_t b = i / (heads * n), h = (i / n) % heads, r = i % n;
-      const T* qi = Q.at(b, h, r);
-      T* o = o_data + ((b * n + r) * heads + h) * d;
-      T best = -std::numeric_limits<T>::infinity();
-      for (int64_t j = 0; j < keys; ++j) {
-        T bias = 0;
-        if (mask_data) {
-          const M m = mask_data[b * m0 + h * m1 + r * m2 + j * m3];
-          if constexpr (std::is_same_v<M, bool>) {
-            allowed[j] = m;
-          } else {
-            allowed[j] = m != -std::numeric_limits<M>::infinity();
-            bias = static_cast<T>(m);
-          }
+  std::vector<T> score(keys);
+  std::vector<char> allowed(keys);
+  for (int64_t i = 0; i < batch * heads * n; ++i) {
+    const int64_t b = i / (heads * n), h = (i / n) % heads, r = i % n;
+    const T* qi = Q.at(b, h, r);
+    T* o = o_data + ((b * n + r) * heads + h) * d;
+    T best = -std::numeric_limits<T>::infinity();
+    for (int64_t j = 0; j < keys; ++j) {
+      T bias = 0;
+      if (mask_data) {
+        const M m = mask_data[b * m0 + h * m1 + r * m2 + j * m3];
+        if constexpr (std::is_same_v<M, bool>) {
+          allowed[j] = m;
         } else {
-          allowed[j] = 1;
+          allowed[j] = m != -std::numeric_limits<M>::infinity();
+          bias = static_cast<T>(m);
         }
-        if (!allowed[j]) continue;
-        const T* kj = K.at(b, h, j);
-        T s = 0;
+      } else {
+        allowed[j] = 1;
+      }
+      if (!allowed[j]) continue;
+      const T* kj = K.at(b, h, j);
+      T s = 0;
 #pragma omp simd reduction(+ : s)
-        for (int64_t c = 0; c < d; ++c) s += qi[c] * kj[c];
-        s = s * factor + bias;
-        score[j] = s;
-        best = std::max(best, s);
-      }
-      std::fill(o, o + d, T(0));
-      if (best == -std::numeric_limits<T>::infinity()) continue;
-      T total = 0;
+      for (int64_t c = 0; c < d; ++c) s += qi[c] * kj[c];
+      s = s * factor + bias;
+      score[j] = s;
+      best = std::max(best, s);
+    }
+    std::fill(o, o + d, T(0));
+    if (best == -std::numeric_limits<T>::infinity()) continue;
+    T total = 0;
 #pragma omp simd reduction(+ : total)
-      for (int64_t j = 0; j < keys; ++j) {
-        const T e = allowed[j] ? exp_nonpositive(score[j] - best) : T(0);
-        score[j] = e;
-        total += e;
-      }
-      const T scale = T(1) / total;
-      for (int64_t j = 0; j < keys; ++j) {
-        if (!allowed[j]) continue;
-        const T p = score[j] * scale;
-        const T* vj = V.at(b, h, j);
+    for (int64_t j = 0; j < keys; ++j) {
+      const T e = allowed[j] ? exp_nonpositive(score[j] - best) : T(0);
+      score[j] = e;
+      total += e;
+    }
+    const T scale = T(1) / total;
+    for (int64_t j = 0; j < keys; ++j) {
+      if (!allowed[j]) continue;
+      const T p = score[j] * scale;
+      const T* vj = V.at(b, h, j);
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) o[c] += p * vj[c];
-      }
+      for (int64_t c = 0; c < d; ++c) o[c] += p * vj[c];
     }
   }
 }
