@@ -84,10 +84,33 @@ class DraftWeights:
             self.ffn1 = Product(F.pad(w1, (0, 1)), F.pad(b1, (0, 1), value=1.0))  # C x F+1: the unit
             self.ffn2, self.activation_fn = (torch.cat([w2, b2[None]]), None), torch.relu_  # F+1 x C
         self.reduced = reducible(self.qkv[0])
-        if self.reduced:  # the widest products on int8 weights (Int8Product); the square ones gain nothing
+        if self.reduced:  # the widest products on int8 weights (Int8Product)
             self.qkv, (self.ffn1, self.ffn2) = Int8Product(*self.qkv), reduced_feed_forward(self.ffn1, self.ffn2)
+        self.square_reduced = self.reduced and kernels.module() is not None
+        if self.square_reduced:  # the C x C ones too, where the compiled kernel (not torch's) serves them
+            self.features_in = Int8Product(self.features_in, None)
+            self.self_out, self.source_out = Int8Product(*self.self_out), Int8Product(*self.source_out)
+            self.source_query, self.fc_out = Int8Product(*self.source_query), Int8Product(*self.fc_out)
         self.eps = tuple(norm.eps for norm in (draft.self_attn_norm, draft.encoder_attn_norm, draft.ffn_norm,
                                                 draft.final_norm))
+        self.layer = compiled_layer(self) if self.square_reduced and self.activation_fn is torch.relu_ else None
+
+    def __getstate__(self):
+        # copy.deepcopy and pickle: the compiled layer is made again from the copied products
+        # (a compiled object cannot be copied; it holds the products' packed copies).
+        return {**self.__dict__, "layer": self.layer is not None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.layer = compiled_layer(self) if self.layer and kernels.module() is not None else None
+
+
+def compiled_layer(w):
+    """The compiled batch-1 step (csrc/draft_step.cpp) on these weights' int8 copies."""
+    products = (w.features_in, w.qkv, w.self_out, w.source_query, w.source_out, w.ffn1, w.ffn2, w.fc_out)
+    none = w.table.new_zeros(0)
+    return kernels.module().DraftLayer(w.table, [p.packed for p in products], [p.scales32 for p in products],
+                                       [none if p[1] is None else p[1] for p in products], w.heads, list(w.eps))
 
 
 class DraftState:
@@ -276,7 +299,10 @@ def enter(state, features, tokens, columns, start=None):
     `columns` (b x m) of their rows, or at batch 1 at columns start.. (a host int), where
     the product writes them itself (DraftState.slot). Returns z b*m x C and qkv b*m x 3C."""
     w = state.weights
-    z = torch.addmm(w.table.index_select(0, tokens), features, w.features_in)  # b*m x C
+    if w.square_reduced:
+        z = w.features_in(features, add=w.table.index_select(0, tokens))  # b*m x C
+    else:
+        z = torch.addmm(w.table.index_select(0, tokens), features, w.features_in)  # b*m x C
     normed = torch.layer_norm(z, (features.size(1),), None, None, w.eps[0])
     if start is not None:
         return z, w.qkv(normed, out=state.slot(start, features.size(0)))  # in the cache
@@ -319,6 +345,10 @@ def decode_step(state, features, tokens, columns, mask, start=None, last=None):
     (True, no mask) the last entry.
     """
     w, channels, eps = state.weights, features.size(1), state.weights.eps
+    if start is not None and mask is None and w.layer is not None and (last or features.size(0) == 1) \
+            and features.dtype == torch.float32 and kernels.module() is not None:
+        return w.layer.step(features, tokens, state.cache, start, state.source_keys, state.source_values,
+                            state.source_mask)
     z, qkv = enter(state, features, tokens, columns, start)
     if start is None:
         (b, m), used = columns.shape, mask.size(-1)
@@ -336,14 +366,19 @@ def decode_step(state, features, tokens, columns, mask, start=None, last=None):
     y = attention(kern, product(normed, w.source_query), state.source_keys, state.source_values, state.source_mask,
                   b, m, w.heads, channels)
     z, normed = residual(kern, z, product(y, w.source_out), eps[2])
-    hidden = w.activation_fn(product(normed, w.ffn1))
-    if w.reduced:  # an Int8Product's (bf16 where the bias unit adds the bias, its sum float32)
+    if w.reduced and w.activation_fn is torch.relu_:
+        hidden = w.ffn1(normed, relu=True)  # relu inside the product where the compiled kernel serves
+    else:
+        hidden = w.activation_fn(product(normed, w.ffn1))
+    if w.reduced:  # an Int8Product's (bf16 where torch's kernel serves and the bias unit adds the bias)
         z, normed = residual(kern, z, w.ffn2(hidden), eps[3])
     elif w.ffn2[1] is None:  # the bias unit: the product adds the bias and the residual
         z = torch.addmm(z, hidden, w.ffn2[0])
         normed = torch.layer_norm(z, (channels,), None, None, eps[3])
     else:
         z, normed = residual(kern, z, product(hidden, w.ffn2), eps[3])
+    if w.square_reduced:
+        return w.fc_out(normed, add=features)
     return features + product(normed, w.fc_out)
 
 

@@ -25,14 +25,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 VARIABLE = "FAIRSEQ_BPD_KERNELS"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "lean.cpp")
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = [os.path.join(CSRC, name) for name in ("lean.cpp", "int8_product.cpp", "draft_step.cpp")]
+HEADERS = [os.path.join(CSRC, "lean.h")]
 DTYPES = (torch.float32, torch.float64)
 
 _loaded = {}  # "module": the extension, or None where it could not be built
 
 
 STALE_LOCK_SECONDS = 600  # a build takes under a minute; a lock this old is a killed build's
-FLAGS = ["-O3", "-fopenmp-simd"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+FLAGS = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
 
 
 def cpu_features():
@@ -48,9 +50,11 @@ def cpu_features():
 
 def build_name():
     """The build's name: a hash of what makes one build differ from another."""
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    key = b"\0".join([source, " ".join(FLAGS).encode(), torch.__version__.encode(), cpu_features().encode()])
+    sources = []
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            sources.append(f.read())
+    key = b"\0".join([*sources, " ".join(FLAGS).encode(), torch.__version__.encode(), cpu_features().encode()])
     return f"fairseq_bpd_lean_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -69,7 +73,7 @@ def build(verbose=False):
             pass
     if not any(f.endswith(".so") for f in os.listdir(directory)):
         logger.warning("fairseq_bpd: building the decoding kernels, once, into %s (under a minute)", directory)
-    return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=FLAGS, build_directory=directory,
+    return cpp_extension.load(name=name, sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=directory,
                               verbose=verbose)
 
 

@@ -24,6 +24,9 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
+
+from . import kernels
 
 PACKED_VARIABLE = "FAIRSEQ_BPD_PACKED"
 # oneDNN picks its weight layout for a row count; 32 served 1 to 128 rows alike (measured).
@@ -177,6 +180,7 @@ INT8_ROWS = 16
 # Past this many rows a product reads its weight once for all of them, and oneDNN's packed
 # float32 product is as fast or faster (measured): Int8Product runs a Product there.
 INT8_MOST_ROWS = 4
+PACKED_OUTPUTS = 64  # csrc/int8_product.cpp's block of outputs
 
 
 def reducible(weight):
@@ -194,11 +198,16 @@ def reducible(weight):
 
 class Int8Product(tuple):
     """(W C x N, bias N or None) and x -> x · W + bias, W rounded to int8 per output column
-    (symmetric, its largest magnitude at 127) and x to bf16: at a row or a few a product
-    reads its weight once per row, so a quarter of float32's bytes is most of its cost saved
-    (torch's weight-only kernel). The result is float32 where a bias is added, else bf16 (a
-    sum with float32 promotes it). More rows than INT8_MOST_ROWS, and inputs the kernel
-    cannot take (float64, autograd), run the Product of W (a bias of zeros where none)."""
+    (symmetric, its largest magnitude at 127): at a row or a few a product reads its weight
+    once per row, so a quarter of float32's bytes is most of its cost saved.
+
+    The compiled kernel (kernels.py, csrc/int8_product.cpp) multiplies float32 rows by the
+    int8 weights, exactly converted, into float32 sums, from a copy packed for it (`packed`:
+    N/64 blocks of C x 64, zero columns past N); it adds a residual and applies relu in the
+    same call (`add`, `relu`). Where it does not serve, torch's weight-only kernel runs
+    (x rounded to bf16, bf16 scales; bf16 out where no bias is added, which a sum with
+    float32 promotes). More rows than INT8_MOST_ROWS, and inputs neither kernel takes
+    (float64, autograd), run the Product of W (a bias of zeros where none)."""
 
     def __new__(cls, weight, bias):
         if weight.size(0) % INT8_ROWS:
@@ -206,20 +215,38 @@ class Int8Product(tuple):
         self = super().__new__(cls, (weight, bias))
         scales = weight.abs().amax(0).clamp_min(torch.finfo(weight.dtype).tiny) / INT8_MAX  # N
         self.quantized = (weight / scales).round_().to(torch.int8).t().contiguous()  # N x C
-        self.scales = scales.bfloat16()
+        self.scales, self.scales32 = scales.bfloat16(), scales.float().contiguous()
+        blocks = -(-weight.size(1) // PACKED_OUTPUTS)  # N / 64, rounded up
+        padded = F.pad(self.quantized, (0, 0, 0, blocks * PACKED_OUTPUTS - weight.size(1)))
+        self.packed = padded.view(blocks, PACKED_OUTPUTS, -1).transpose(1, 2).contiguous()  # N/64 x C x 64
         self.full = Product(weight, weight.new_zeros(weight.size(1)) if bias is None else bias)
         return self
 
     def __reduce__(self):
         return Int8Product, tuple(self)
 
-    def __call__(self, x, out=None):
-        """x M x C (columns contiguous) -> M x N, into `out` (float32) where given."""
+    def __call__(self, x, out=None, add=None, relu=False):
+        """x M x C (columns contiguous) -> M x N (+ add, M x N) (relu), into `out` (float32)
+        where given."""
         if (x.size(0) > INT8_MOST_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad
                 or x.device.type != "cpu"):
-            return self.full(x, out)
+            return finish(self.full(x, out), add, relu)
+        kern = kernels.module() if x.dtype == torch.float32 else None
+        if kern is not None:
+            return kern.int8_product(x, self.packed, self.scales32, self[1], add, relu, out)
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.quantized, self.scales)  # M x N, bf16
         bias = self[1]
-        if bias is None:
-            return y if out is None else out.copy_(y)
-        return torch.add(y, bias) if out is None else torch.add(y, bias, out=out)
+        if bias is not None:
+            y = torch.add(y, bias)
+        if add is not None:
+            y = y + add
+        if out is not None:
+            return finish(out.copy_(y), None, relu)
+        return finish(y, None, relu)
+
+
+def finish(y, add, relu):
+    """y + add (relu): what Int8Product's kernel does in its product, after another's."""
+    if add is not None:
+        y = y + add
+    return torch.relu_(y) if relu else y

@@ -7,6 +7,7 @@ from conftest import random_sample
 from test_draft import draft
 from test_generator import blockwise, greedy
 
+from fairseq_bpd import kernels
 from fairseq_bpd.draft_step import reduced_feed_forward
 from fairseq_bpd.product import INT8_MOST_ROWS, REDUCED_VARIABLE, Int8Product, Product, reducible
 
@@ -88,9 +89,21 @@ def test_an_int8_product_is_close_and_falls_back():
     assert torch.equal(Int8Product(*wide)(x.double()), torch.addmm(wide[1], x.double(), wide[0]))
     out = torch.empty(INT8_MOST_ROWS, 40)
     assert product(x, out=out) is out and torch.equal(out, y)
-    assert Int8Product(weight, None)(x).dtype == torch.bfloat16  # summed into float32 by the step
+    assert Int8Product(weight, None)(x).dtype == torch.float32  # the compiled kernel's
     with pytest.raises(ValueError, match="multiples of 16"):
         Int8Product(torch.randn(24, 8), None)
+
+
+def test_torchs_int8_kernel_serves_without_the_compiled_one(monkeypatch):
+    """$FAIRSEQ_BPD_KERNELS=0: torch's weight-only kernel (x in bf16; bf16 out where no bias)."""
+    monkeypatch.setenv(kernels.VARIABLE, "0")
+    g = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(32, 40, generator=g), torch.randn(40, generator=g)
+    x, add = torch.randn(3, 32, generator=g), torch.randn(3, 40, generator=g)
+    exact = torch.addmm(bias, x, weight)
+    assert Int8Product(weight, None)(x).dtype == torch.bfloat16  # summed into float32 by the step
+    y = Int8Product(weight, bias)(x, add=add, relu=True)
+    assert y.dtype == torch.float32 and torch.allclose(y, torch.relu(exact + add), rtol=0.03, atol=0.1)
 
 
 def test_the_reduced_feed_forward_pads_its_hidden_units():

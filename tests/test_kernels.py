@@ -242,13 +242,17 @@ def test_a_killed_builds_lock_is_removed_and_the_build_named(tmp_path, monkeypat
     assert loads[-1]["name"] == kernels.build_name() and loads[-1]["build_directory"] == str(tmp_path)
 
 
-def test_the_build_name_follows_the_source(tmp_path, monkeypatch):
-    source = tmp_path / "lean.cpp"
+def test_the_build_name_follows_the_sources_and_headers(tmp_path, monkeypatch):
+    source, header = tmp_path / "lean.cpp", tmp_path / "lean.h"
     source.write_text("// one")
-    monkeypatch.setattr(kernels, "SOURCE", str(source))
+    header.write_text("// one")
+    monkeypatch.setattr(kernels, "SOURCES", [str(source)])
+    monkeypatch.setattr(kernels, "HEADERS", [str(header)])
     first = kernels.build_name()
     source.write_text("// two")
-    assert kernels.build_name() != first and kernels.build_name().startswith("fairseq_bpd_lean_")
+    second = kernels.build_name()
+    header.write_text("// two")
+    assert len({first, second, kernels.build_name()}) == 3 and first.startswith("fairseq_bpd_lean_")
 
 
 def test_residual_norm_refuses_what_it_would_misread(kern):

@@ -19,6 +19,11 @@
 #include <optional>
 #include <vector>
 
+#include "lean.h"
+
+using lean::exp_nonpositive;
+using lean::norm_row;
+
 namespace {
 
 // Everything here runs on the calling thread (the extension is built without OpenMP): work
@@ -29,22 +34,6 @@ namespace {
 // kLargestNorm goes to torch's add and layer norm.
 constexpr int64_t kLargestAttention = 1 << 16;
 constexpr int64_t kLargestNorm = 1 << 14;
-
-// e^x for float32 in a form the compiler vectorises (std::exp is a call per value): Cephes'
-// expf (range reduction by ln 2, a degree-6 polynomial; within 2 ulp of the true value), for
-// x <= 0 (attention's scores less their maximum). Below -87 it gives ~1e-38, not 0: against
-// a sum of at least 1 that changes nothing.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  x = x - n * 0.693359375f;
-  x = x + n * 2.12194440e-4f;
-  const float y = (((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x +
-                    1.6666665459e-1f) * x + 5.0000001201e-1f) * (x * x) + x + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return y * __builtin_bit_cast(float, bits);
-}
-inline double exp_nonpositive(double x) { return std::exp(x); }  // float64: the tests' dtype
 
 template <typename T>
 struct Strided4 {  // a 4-d tensor's data and strides (in elements)
@@ -161,28 +150,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
-namespace {
-
-template <typename T>
-void norm_row(const T* x, T* out, const T* weight, const T* bias, int64_t c, double eps) {
-  T sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < c; ++i) sum += x[i];
-  const T shift = sum / c;
-  T squares = 0;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < c; ++i) squares += (x[i] - shift) * (x[i] - shift);
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(squares) / c + eps));
-#pragma omp simd
-  for (int64_t i = 0; i < c; ++i) {
-    T y = (x[i] - shift) * scale;
-    if (weight) y = y * weight[i];
-    if (bias) y = y + bias[i];
-    out[i] = y;
-  }
-}
-
-}  // namespace
 
 // The residual stream after a sublayer: y (R x C, a sublayer's fresh output) becomes x + y
 // in place; then the layer norm of it (weight, bias: C or None): into y itself where `pre`
@@ -338,8 +305,20 @@ std::vector<at::Tensor> exact_chain(const at::Tensor& lprobs, const at::Tensor& 
   return {kept, candidates, values, added, finished, at::scalar_tensor(any_doubt, block.options().dtype(at::kBool))};
 }
 
+// int8_product.cpp
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& add, bool relu,
+                        std::optional<at::Tensor> out);
+
+// draft_step.cpp
+void bind_draft_layer(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_chain", &exact_chain, "greedy's rule on a chain: verify, accept and commit fused");
   m.def("attend", &attend, "softmax(q kᵀ + mask) v, B x n x h x d");
   m.def("residual_norm", &residual_norm, "y = x + y, then its layer norm");
+  m.def("int8_product", &int8_product, "x · Wᵀ · scales (+ bias) (+ add) (relu) on packed int8 weights, 1-4 rows",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
+        py::arg("relu") = false, py::arg("out") = py::none());
+  bind_draft_layer(m);
 }

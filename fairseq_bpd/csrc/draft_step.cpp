@@ -1,0 +1,193 @@
+// The draft decoder's step at batch 1 in one call (fairseq_bpd/draft_step.py, decode_step).
+//
+// A chain's draft step at batch 1 is one row through a whole pre-norm layer: eight
+// products, two attentions, four layer norms. Its products on int8 weights take ~60 µs in
+// all here; run as torch's operations from Python the step takes three times that, its
+// thirty-odd operations each paying dispatch and an allocation. This is the same function
+// as draft_step.py's decode_step on the same arranged weights (DraftWeights, all products
+// on int8: Int8Product), one call: the entries' table rows and features product, their
+// queries, keys and values written in the cache, and the last entry's layer.
+#include <torch/extension.h>
+
+#include <limits>
+#include <vector>
+
+#include "lean.h"
+
+namespace {
+
+struct Int8Weights {  // product.Int8Product's packed copy, as int8_product takes it
+  at::Tensor packed, scales, bias;  // bias: undefined where none
+  int64_t C = 0, N = 0;
+
+  void apply(const float* x, int64_t x_stride, int64_t M, const float* add, int64_t add_stride, bool relu,
+             float* out, int64_t out_stride) const {
+    lean::int8_rows(x, x_stride, M, packed.data_ptr<int8_t>(), C, N, scales.data_ptr<float>(),
+                    bias.defined() ? bias.data_ptr<float>() : nullptr, add, add_stride, relu, out, out_stride);
+  }
+};
+
+// One query row (heads side by side, H x d) over `count` positions: keys and values at
+// key + j * position_stride + h * head_stride (d contiguous), an additive mask per position
+// (-inf: not seen; null: none) -> out H x d. Scaled by 1/sqrt(d), as the draft's layer
+// (torch's scaled_dot_product_attention's default).
+void attend_one(const float* q, const float* keys, const float* values, int64_t position_stride,
+                int64_t head_stride, int64_t count, const float* mask, int64_t mask_stride, int64_t heads, int64_t d,
+                float* out, std::vector<float>& score) {
+  score.resize(count);
+  const float factor = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* qh = q + h * d;
+    float* o = out + h * d;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < count; ++j) {
+      const float* k = keys + j * position_stride + h * head_stride;
+      float s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < d; ++c) s += qh[c] * k[c];
+      s = s * factor + (mask ? mask[j * mask_stride] : 0.0f);
+      score[j] = s;
+      best = std::max(best, s);
+    }
+    std::fill(o, o + d, 0.0f);
+    if (best == -std::numeric_limits<float>::infinity()) continue;  // nothing seen: zeros, as torch's
+    float total = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      score[j] = lean::exp_nonpositive(score[j] - best);
+      total += score[j];
+    }
+    const float scale = 1.0f / total;
+    for (int64_t j = 0; j < count; ++j) {
+      const float p = score[j] * scale;
+      const float* v = values + j * position_stride + h * head_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) o[c] += p * v[c];
+    }
+  }
+}
+
+// z += y, then normed = its layer norm without weights (the next product holds them).
+void residual_norm(float* z, const float* y, float* normed, int64_t c, double eps) {
+#pragma omp simd
+  for (int64_t i = 0; i < c; ++i) z[i] += y[i];
+  lean::norm_row<float>(z, normed, nullptr, nullptr, c, eps);
+}
+
+}  // namespace
+
+// DraftWeights' products, in the order of draft_step.DraftLayer: features_in (C x C, no bias:
+// the table's row is added), qkv (C x 3C), self_out, source_query, source_out (C x C), ffn1
+// (C x F, relu), ffn2 (F x C), fc_out (C x C: the features are added).
+class DraftLayer {
+ public:
+  DraftLayer(at::Tensor table, const std::vector<at::Tensor>& packed, const std::vector<at::Tensor>& scales,
+             const std::vector<at::Tensor>& biases, int64_t heads, std::vector<double> eps)
+      : table_(table.contiguous()), heads_(heads), eps_(std::move(eps)) {
+    TORCH_CHECK(packed.size() == 8 && scales.size() == 8 && biases.size() == 8, "DraftLayer: eight products");
+    TORCH_CHECK(eps_.size() == 4, "DraftLayer: four layer norms' eps");
+    TORCH_CHECK(table_.dim() == 2 && table_.scalar_type() == at::kFloat, "DraftLayer: a V x C float32 table");
+    for (size_t i = 0; i < 8; ++i) {
+      Int8Weights w;
+      w.packed = packed[i], w.scales = scales[i];
+      if (biases[i].numel() > 0) w.bias = biases[i];
+      w.C = packed[i].size(1), w.N = scales[i].numel();
+      TORCH_CHECK(w.packed.scalar_type() == at::kChar && w.packed.is_contiguous() && w.packed.dim() == 3 &&
+                      w.packed.size(2) == 64 && w.packed.size(0) * 64 >= w.N && w.scales.is_contiguous() &&
+                      w.scales.scalar_type() == at::kFloat &&
+                      (!w.bias.defined() || (w.bias.numel() == w.N && w.bias.is_contiguous() &&
+                                             w.bias.scalar_type() == at::kFloat)),
+                  "DraftLayer: product ", i, " is not an Int8Product's packed copy");
+      products_.push_back(w);
+    }
+    const int64_t C = table_.size(1);
+    const int64_t expected[8][2] = {{C, C}, {C, 3 * C}, {C, C}, {C, C}, {C, C}, {C, -1}, {-1, C}, {C, C}};
+    for (int i = 0; i < 8; ++i)
+      TORCH_CHECK((expected[i][0] < 0 || products_[i].C == expected[i][0]) &&
+                      (expected[i][1] < 0 || products_[i].N == expected[i][1]),
+                  "DraftLayer: product ", i, " has the wrong shape");
+    TORCH_CHECK(products_[5].N == products_[6].C, "DraftLayer: the feed-forward's hidden widths differ");
+    TORCH_CHECK(heads_ > 0 && C % heads_ == 0, "DraftLayer: C a multiple of the heads");
+  }
+
+  // Entries m (features m x C float32, tokens m) in columns start.. of the cache (1 x L x 3C,
+  // contiguous: their queries, keys and values written there); the last entry's layer, over
+  // the cache's columns up to its own and the source (keys, values 1 x H x S x d; mask:
+  // additive, 1 x 1 x 1 x S, or None) -> its drafted features 1 x C.
+  at::Tensor step(const at::Tensor& features, const at::Tensor& tokens, at::Tensor& cache, int64_t start,
+                  const at::Tensor& source_keys, const at::Tensor& source_values,
+                  const std::optional<at::Tensor>& source_mask) {
+    const int64_t C = table_.size(1), m = features.size(0), H = heads_, d = C / H;
+    TORCH_CHECK(features.dim() == 2 && features.size(1) == C && features.scalar_type() == at::kFloat &&
+                    features.stride(1) == 1 && m >= 1,
+                "DraftLayer.step: features m x C float32, channels contiguous");
+    TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == m && tokens.scalar_type() == at::kLong,
+                "DraftLayer.step: m long tokens");
+    TORCH_CHECK(cache.dim() == 3 && cache.size(0) == 1 && cache.size(2) == 3 * C && cache.is_contiguous() &&
+                    cache.scalar_type() == at::kFloat && start >= 0 && start + m <= cache.size(1),
+                "DraftLayer.step: a 1 x L x 3C float32 cache with room for the entries");
+    TORCH_CHECK(source_keys.dim() == 4 && source_keys.size(0) == 1 && source_keys.size(1) == H &&
+                    source_keys.size(3) == d && source_keys.stride(3) == 1 &&
+                    source_values.sizes() == source_keys.sizes() && source_values.strides() == source_keys.strides() &&
+                    source_keys.scalar_type() == at::kFloat && source_values.scalar_type() == at::kFloat,
+                "DraftLayer.step: source keys and values 1 x H x S x d float32, alike");
+    const int64_t S = source_keys.size(2);
+    TORCH_CHECK(!source_mask || (source_mask->numel() == S && source_mask->scalar_type() == at::kFloat),
+                "DraftLayer.step: an additive float32 source mask of S");
+    const int64_t* ids = tokens.data_ptr<int64_t>();
+    const float* table = table_.data_ptr<float>();
+    const int64_t V = table_.size(0);
+    // The entries: z = f · W_fᵀ + table[x], their norms, their q, k and v in the cache.
+    std::vector<float>& z = buffer(0, m * C);
+    std::vector<float>& normed = buffer(1, m * C);
+    for (int64_t r = 0; r < m; ++r) {
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < V, "DraftLayer.step: a token outside the vocabulary");
+      std::copy(table + ids[r] * C, table + (ids[r] + 1) * C, z.data() + r * C);
+    }
+    products_[0].apply(features.data_ptr<float>(), features.stride(0), m, z.data(), C, false, z.data(), C);
+    for (int64_t r = 0; r < m; ++r) lean::norm_row<float>(z.data() + r * C, normed.data() + r * C, nullptr, nullptr, C, eps_[0]);
+    float* columns = cache.data_ptr<float>();
+    products_[1].apply(normed.data(), C, m, nullptr, 0, false, columns + start * 3 * C, 3 * C);
+    // The last entry's layer.
+    float* zl = z.data() + (m - 1) * C;
+    float* nl = normed.data();
+    std::vector<float>& y = buffer(2, C);
+    std::vector<float>& out = buffer(3, C);
+    std::vector<float>& hidden = buffer(4, products_[5].N);
+    const float* q = columns + (start + m - 1) * 3 * C;
+    attend_one(q, columns + C, columns + 2 * C, 3 * C, d, start + m, nullptr, 0, H, d, y.data(), score_);
+    products_[2].apply(y.data(), C, 1, nullptr, 0, false, out.data(), C);
+    residual_norm(zl, out.data(), nl, C, eps_[1]);
+    products_[3].apply(nl, C, 1, nullptr, 0, false, out.data(), C);
+    const float* mask = source_mask ? source_mask->contiguous().data_ptr<float>() : nullptr;
+    attend_one(out.data(), source_keys.data_ptr<float>(), source_values.data_ptr<float>(), source_keys.stride(2),
+               source_keys.stride(1), S, mask, 1, H, d, y.data(), score_);
+    products_[4].apply(y.data(), C, 1, nullptr, 0, false, out.data(), C);
+    residual_norm(zl, out.data(), nl, C, eps_[2]);
+    products_[5].apply(nl, C, 1, nullptr, 0, true, hidden.data(), products_[5].N);
+    products_[6].apply(hidden.data(), products_[5].N, 1, nullptr, 0, false, out.data(), C);
+    residual_norm(zl, out.data(), nl, C, eps_[3]);
+    at::Tensor drafted = at::empty({1, C}, features.options());
+    const float* last = features.data_ptr<float>() + (m - 1) * features.stride(0);
+    products_[7].apply(nl, C, 1, last, C, false, drafted.data_ptr<float>(), C);
+    return drafted;
+  }
+
+ private:
+  std::vector<float>& buffer(int i, int64_t size) {
+    buffers_[i].resize(size);
+    return buffers_[i];
+  }
+
+  at::Tensor table_;
+  std::vector<Int8Weights> products_;
+  int64_t heads_;
+  std::vector<double> eps_;
+  std::vector<float> buffers_[5], score_;
+};
+
+void bind_draft_layer(pybind11::module& m) {
+  pybind11::class_<DraftLayer>(m, "DraftLayer")
+      .def(pybind11::init<at::Tensor, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          const std::vector<at::Tensor>&, int64_t, std::vector<double>>())
+      .def("step", &DraftLayer::step, "a batch-1 draft step: entries in the cache, the last one's layer");
+}

@@ -1,0 +1,55 @@
+// What the compiled kernels share (lean.cpp, int8_product.cpp, draft_step.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace lean {
+
+// e^x for float32 in a form the compiler vectorises (std::exp is a call per value): Cephes'
+// expf (range reduction by ln 2, a degree-6 polynomial; within 2 ulp of the true value), for
+// x <= 0 (attention's scores less their maximum). Below -87 it gives ~1e-38, not 0: against
+// a sum of at least 1 that changes nothing.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - n * 0.693359375f;
+  x = x + n * 2.12194440e-4f;
+  const float y = (((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x +
+                    1.6666665459e-1f) * x + 5.0000001201e-1f) * (x * x) + x + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+inline double exp_nonpositive(double x) { return std::exp(x); }  // float64: the tests' dtype
+
+template <typename T>
+void norm_row(const T* x, T* out, const T* weight, const T* bias, int64_t c, double eps) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < c; ++i) sum += x[i];
+  const T shift = sum / c;
+  T squares = 0;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < c; ++i) squares += (x[i] - shift) * (x[i] - shift);
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(squares) / c + eps));
+#pragma omp simd
+  for (int64_t i = 0; i < c; ++i) {
+    T y = (x[i] - shift) * scale;
+    if (weight) y = y * weight[i];
+    if (bias) y = y + bias[i];
+    out[i] = y;
+  }
+}
+
+
+// out (M x N, row stride out_stride) = x (M x C, row stride x_stride) · Wᵀ · scales
+// (+ bias) (+ add) (relu), W int8 packed as int8_product's (N/64 blocks of C x 64); any M,
+// four rows at a time; add may be out itself; bias and add may be null.
+void int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
+               const float* scales, const float* bias, const float* add, int64_t add_stride, bool relu, float* out,
+               int64_t out_stride);
+
+}  // namespace lean

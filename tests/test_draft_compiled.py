@@ -1,0 +1,193 @@
+"""The draft's compiled int8 products and its compiled batch-1 step (csrc/int8_product.cpp,
+csrc/draft_step.cpp): the products are the int8 weights' products, the step is the Python
+step's function on the same weights, and decoding with them gives greedy's tokens."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+from conftest import random_sample
+from test_draft_precision import proposal_lprobs, reduced_model
+from test_generator import blockwise, greedy
+
+from fairseq_bpd import draft_step, kernels
+from fairseq_bpd.product import Int8Product
+
+
+@pytest.fixture
+def kern():
+    module = kernels.module()
+    assert module is not None  # they build on this machine (and CI's): a fallback would hide a failure
+    return module
+
+
+def int8_reference(product, x):
+    """x · W' (+ bias) in float64, W' the int8 weights times their scales: what the kernel
+    computes in float32."""
+    weight = product.quantized.double().t() * product.scales32.double()  # C x N
+    y = x.double() @ weight
+    return y if product[1] is None else y + product[1].double()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("shape", [(16, 40), (32, 64), (48, 130), (256, 2000)])
+def test_an_int8_product_is_the_int8_weights_product(kern, rows, shape):
+    """Any row count (four at a time), outputs past the last whole block of 64, rows at a
+    stride, a residual added in place, relu; both sides of the split between threads."""
+    channels, outputs = shape
+    g = torch.Generator().manual_seed(rows * outputs)
+    weight, bias = torch.randn(channels, outputs, generator=g), torch.randn(outputs, generator=g)
+    product = Int8Product(weight, bias)
+    wide = torch.randn(rows, channels + 8, generator=g)
+    x, add = wide[:, 3 : 3 + channels], torch.randn(rows, outputs, generator=g)  # x's rows at a stride
+    expected = int8_reference(product, x)
+    y = kern.int8_product(x, product.packed, product.scales32, bias)
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-4)
+    out = add.clone()
+    summed = kern.int8_product(x, product.packed, product.scales32, bias, out, True, out)
+    assert summed.data_ptr() == out.data_ptr()
+    assert torch.allclose(out.double(), torch.relu(expected + add.double()), rtol=1e-5, atol=1e-4)
+    bare = Int8Product(weight, None)
+    assert torch.allclose(kern.int8_product(x, bare.packed, bare.scales32).double(), int8_reference(bare, x),
+                          rtol=1e-5, atol=1e-4)
+
+
+def test_an_int8_product_refuses_what_it_would_misread(kern):
+    product = Int8Product(torch.randn(32, 40), torch.randn(40))
+    packed, scales, x = product.packed, product.scales32, torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        kern.int8_product(x.double(), packed, scales)
+    with pytest.raises(RuntimeError, match="packed weights"):
+        kern.int8_product(torch.randn(2, 16), packed, scales)
+    with pytest.raises(RuntimeError, match="packed weights"):
+        kern.int8_product(x, packed, torch.randn(100))
+    with pytest.raises(RuntimeError, match="bias"):
+        kern.int8_product(x, packed, scales, torch.randn(39))
+    with pytest.raises(RuntimeError, match="add"):
+        kern.int8_product(x, packed, scales, None, torch.randn(3, 40))
+    with pytest.raises(RuntimeError, match="out"):
+        kern.int8_product(x, packed, scales, None, None, False, torch.randn(2, 41))
+
+
+def test_a_later_step_is_one_compiled_call_close_to_the_python_steps(data_dir, monkeypatch):
+    """A k=8 chain from a fresh state (a first step, six later steps): each step one call
+    into the compiled layer; its proposals those of the Python step on the same int8
+    weights, its log-probs and the cache it wrote within float32's rounding."""
+    calls = []
+
+    def recorded(weights):
+        layer = compiled(weights)
+        return None if layer is None else Recorded(layer, calls)
+    compiled = draft_step.compiled_layer
+    monkeypatch.setattr(draft_step, "compiled_layer", recorded)
+    for seed in range(3):
+        task, model = reduced_model(data_dir, 8, seed)
+        heads = model.decoder.heads
+        tokens, lprobs = proposal_lprobs(model, task, seed)
+        cache = heads.state.cache.clone()
+        assert calls == [1] * 7  # one row each: the first step's position and each later step's
+        calls.clear()
+        model.eval()  # weights arranged again, without the compiled layer
+        monkeypatch.setattr(draft_step, "compiled_layer", lambda weights: None)
+        python_tokens, python_lprobs = proposal_lprobs(model, task, seed)
+        monkeypatch.setattr(draft_step, "compiled_layer", recorded)
+        assert not calls and heads.weights().square_reduced and heads.weights().layer is None
+        assert torch.equal(tokens, python_tokens)
+        assert torch.allclose(lprobs, python_lprobs, atol=1e-4)
+        assert torch.allclose(cache, heads.state.cache, atol=1e-4)
+
+
+def test_a_first_step_feeding_waiting_positions_is_one_compiled_call(data_dir, monkeypatch):
+    """Three accepted positions kept after a block: the next first step feeds them (their
+    entries in the cache) and makes the last one's layer in one call, as the Python step does."""
+    calls, results = [], []
+
+    def recorded(weights):
+        return Recorded(compiled(weights), calls)
+    compiled = draft_step.compiled_layer
+    g = torch.Generator().manual_seed(4)
+    features, block, path = 3 * torch.randn(1, 8, 16, generator=g), torch.randint(4, 28, (1, 8), generator=g), \
+        torch.arange(8)[None]
+    for layer in (recorded, lambda weights: None):
+        monkeypatch.setattr(draft_step, "compiled_layer", layer)
+        task, model = reduced_model(data_dir, 8, 4)
+        heads = model.decoder.heads
+        sample = random_sample(task, bsz=1, seed=4)
+        heads.state = None
+        with torch.no_grad():
+            encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
+            heads.propose(features[:, 0], torch.tensor([5]), 8, 0, 1, encoder_out)
+            heads.keep(path, torch.tensor([3]), features, block)
+            proposals, lprobs = heads.propose(features[:, 2], torch.tensor([6]), 4, 0, 1, encoder_out)
+        results.append((proposals, lprobs, heads.state.cache.clone(), heads.state.longest))
+    assert calls == [1] * 7 + [3, 1, 1]  # the fresh chain's seven; the first step's three entries, two later steps
+    (tokens, lprobs, cache, longest), (python_tokens, python_lprobs, python_cache, python_longest) = results
+    assert longest == python_longest == 4 and torch.equal(tokens, python_tokens)
+    assert torch.allclose(lprobs, python_lprobs, atol=1e-4) and torch.allclose(cache, python_cache, atol=1e-4)
+
+
+class Recorded:
+    """A compiled layer whose steps are counted by their entries."""
+
+    def __init__(self, layer, calls):
+        self.layer, self.calls = layer, calls
+
+    def step(self, features, *args):
+        self.calls.append(features.size(0))
+        return self.layer.step(features, *args)
+
+
+@pytest.mark.parametrize("k", [3, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_decoding_with_the_compiled_step_is_greedy(data_dir, k, seed, monkeypatch):
+    """Batch 1: first steps that feed several waiting positions and later steps of one, all
+    compiled; the tokens greedy's (verification is head 1's)."""
+    calls = []
+    compiled = draft_step.compiled_layer
+    monkeypatch.setattr(draft_step, "compiled_layer", lambda weights: Recorded(compiled(weights), calls))
+    task, model = reduced_model(data_dir, k, seed)
+    for bsz_seed in range(3):
+        sample = random_sample(task, bsz=1, seed=10 * seed + bsz_seed)
+        with torch.no_grad():
+            expected = greedy(model, task, sample, max_len_b=30)
+            hypos, _ = blockwise(model, task, sample, k, max_len_b=30)
+        assert hypos[0][0]["tokens"].tolist() == expected[0]["tokens"].tolist()
+    assert calls and set(calls) <= set(range(1, k + 2)), calls  # each a first step's entries or a later step's one
+
+
+def test_the_compiled_step_refuses_what_it_would_misread(data_dir, kern):
+    task, model = reduced_model(data_dir, 4, 0)
+    proposal_lprobs(model, task, 0)
+    heads = model.decoder.heads
+    state, layer = heads.state, heads.weights().layer
+    keys, values = state.source_keys, state.source_values
+    features, tokens = torch.randn(1, 16), torch.tensor([5])
+    assert layer.step(features, tokens, state.cache, 0, keys, values, None).shape == (1, 16)
+    with pytest.raises(RuntimeError, match="features"):
+        layer.step(torch.randn(1, 8), tokens, state.cache, 0, keys, values, None)
+    with pytest.raises(RuntimeError, match="room"):
+        layer.step(features, tokens, state.cache, state.cache.size(1), keys, values, None)
+    with pytest.raises(RuntimeError, match="vocabulary"):
+        layer.step(features, torch.tensor([10 ** 6]), state.cache, 0, keys, values, None)
+    with pytest.raises(RuntimeError, match="source"):
+        layer.step(features, tokens, state.cache, 0, keys, values[..., :2], None)
+    with pytest.raises(RuntimeError, match="eight products"):
+        kern.DraftLayer(torch.randn(30, 16), [], [], [], 2, [1e-5] * 4)
+
+
+def test_arranged_weights_copy_with_a_compiled_layer_of_their_own(data_dir):
+    """copy.deepcopy (and pickle) of arranged weights make the copy's compiled layer anew,
+    from the copy's own products: it steps as the original does."""
+    task, model = reduced_model(data_dir, 4, 1)
+    proposal_lprobs(model, task, 1)
+    heads = model.decoder.heads
+    weights, state = heads.weights(), heads.state
+    copied = copy.deepcopy(weights)
+    assert copied.layer is not None and copied.layer is not weights.layer and copied.qkv is not weights.qkv
+    args = (torch.randn(1, 16), torch.tensor([7]))
+    cache = state.cache.clone()
+    drafted = weights.layer.step(*args, state.cache, 2, state.source_keys, state.source_values, None)
+    assert torch.equal(copied.layer.step(*args, cache, 2, state.source_keys, state.source_values, None), drafted)
+    assert torch.equal(cache, state.cache)
+    assert pickle.loads(pickle.dumps(weights)).layer is not None
