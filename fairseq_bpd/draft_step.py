@@ -64,7 +64,9 @@ class DraftWeights:
     ffn2 is then (weights, None). reduced (float32 on a CPU, product.reducible): the q, k,
     v and feed-forward products on int8 weights (Int8Product; the shortlist's too,
     DraftDecoder.logits), whose rounding changes proposals a little and no output (head 1
-    verifies them in float32)."""
+    verifies them in float32); square_reduced (the compiled kernels built, kernels.py): the
+    C x C products too, and `layer`, for relu drafts, the compiled batch-1 step
+    (csrc/draft_step.cpp) on these int8 weights, else None."""
 
     def __init__(self, draft):
         decoder, width = draft.decoder, draft.fc_in.weight.size(0)
@@ -343,10 +345,13 @@ def decode_step(state, features, tokens, columns, mask, start=None, last=None):
     (the others are accepted positions, of which the draft keeps only their keys and
     values): each row's entry last (b), under `mask` b x 1 x 1 x L for them; at batch 1
     (True, no mask) the last entry.
+
+    At batch 1 without a mask, one entry or only the last one's features made, the compiled
+    step (DraftWeights.layer) does all of this in one call where it is built.
     """
     w, channels, eps = state.weights, features.size(1), state.weights.eps
     if start is not None and mask is None and w.layer is not None and (last or features.size(0) == 1) \
-            and features.dtype == torch.float32 and kernels.module() is not None:
+            and features.dtype == torch.float32 and not features.requires_grad and kernels.module() is not None:
         return w.layer.step(features, tokens, state.cache, start, state.source_keys, state.source_values,
                             state.source_mask)
     z, qkv = enter(state, features, tokens, columns, start)

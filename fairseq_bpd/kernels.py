@@ -1,12 +1,14 @@
-"""The decoding loop's compiled kernels (csrc/lean.cpp): attention for a block's few
-queries, a residual add with its layer norm, and an exact chain's verification, each one call
-where torch takes several.
+"""The decoding loop's compiled kernels (csrc/): attention for a block's few queries, a
+residual add with its layer norm, and an exact chain's verification (lean.cpp), each one call
+where torch takes several; products of a few rows by int8 weights (int8_product.cpp); and
+the draft decoder's batch-1 step in one call (draft_step.cpp).
 
 Built with torch's C++ extension tools on first use (scripts/setup.sh builds it once, so
 that decoding never waits for a compiler) into torch's extension cache, for this machine's
-CPU (-march=native). The build's name carries a hash of the source, the flags, torch's
-version and the CPU's features, so checkouts and machines that share a cache keep a build
-each, and none loads another's. A build lock left by a build that was killed (torch waits
+CPU (-march=native), with OpenMP (int8_product.cpp splits its products between torch's
+threads, whose OpenMP runtime it shares). The build's name carries a hash of the sources and
+their header, the flags, torch's version and the CPU's features, so checkouts and machines
+that share a cache keep a build each, and none loads another's. A build lock left by a build that was killed (torch waits
 on it forever) is removed once it is STALE_LOCK_SECONDS old. Where the kernels cannot be
 built (no compiler) the log says why once a process and decoding runs torch's operations:
 the same function, more operations. $FAIRSEQ_BPD_KERNELS=0 runs torch's operations
@@ -72,9 +74,9 @@ def build(verbose=False):
         except FileNotFoundError:  # another process removed it first
             pass
     if not any(f.endswith(".so") for f in os.listdir(directory)):
-        logger.warning("fairseq_bpd: building the decoding kernels, once, into %s (under a minute)", directory)
-    return cpp_extension.load(name=name, sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=directory,
-                              verbose=verbose)
+        logger.warning("fairseq_bpd: building the decoding kernels, once, into %s (about a minute)", directory)
+    return cpp_extension.load(name=name, sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                              build_directory=directory, verbose=verbose)
 
 
 def module():

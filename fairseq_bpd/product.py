@@ -230,9 +230,12 @@ class Int8Product(tuple):
         where given."""
         if (x.size(0) > INT8_MOST_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad
                 or x.device.type != "cpu"):
-            return finish(self.full(x, out), add, relu)
+            y = finish(self.full(x), add, relu)
+            return y if out is None else out.copy_(y)
         kern = kernels.module() if x.dtype == torch.float32 else None
         if kern is not None:
+            if x.stride(1) != 1:  # the kernel reads each row's channels in one run
+                x = x.contiguous()
             return kern.int8_product(x, self.packed, self.scales32, self[1], add, relu, out)
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.quantized, self.scales)  # M x N, bf16
         bias = self[1]

@@ -2,6 +2,7 @@
 csrc/draft_step.cpp): the products are the int8 weights' products, the step is the Python
 step's function on the same weights, and decoding with them gives greedy's tokens."""
 import copy
+import math
 import pickle
 
 import pytest
@@ -12,6 +13,7 @@ from test_draft_precision import proposal_lprobs, reduced_model
 from test_generator import blockwise, greedy
 
 from fairseq_bpd import draft_step, kernels
+from fairseq_bpd import product as product_module
 from fairseq_bpd.product import Int8Product
 
 
@@ -98,9 +100,12 @@ def test_a_later_step_is_one_compiled_call_close_to_the_python_steps(data_dir, m
         assert torch.allclose(cache, heads.state.cache, atol=1e-4)
 
 
-def test_a_first_step_feeding_waiting_positions_is_one_compiled_call(data_dir, monkeypatch):
-    """Three accepted positions kept after a block: the next first step feeds them (their
-    entries in the cache) and makes the last one's layer in one call, as the Python step does."""
+@pytest.mark.parametrize("kept", [3, 7])
+def test_a_first_step_feeding_waiting_positions_is_one_compiled_call(data_dir, monkeypatch, kept):
+    """Accepted positions kept after a block: the next first step feeds them (their entries in
+    the cache) and makes the last one's layer in one call, as the Python step does (past 4
+    entries the compiled step stays on the int8 weights: the Python step is made to, too)."""
+    monkeypatch.setattr(product_module, "INT8_MOST_ROWS", 64)
     calls, results = [], []
 
     def recorded(weights):
@@ -118,12 +123,12 @@ def test_a_first_step_feeding_waiting_positions_is_one_compiled_call(data_dir, m
         with torch.no_grad():
             encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
             heads.propose(features[:, 0], torch.tensor([5]), 8, 0, 1, encoder_out)
-            heads.keep(path, torch.tensor([3]), features, block)
-            proposals, lprobs = heads.propose(features[:, 2], torch.tensor([6]), 4, 0, 1, encoder_out)
+            heads.keep(path, torch.tensor([kept]), features, block)
+            proposals, lprobs = heads.propose(features[:, kept - 1], torch.tensor([6]), 4, 0, 1, encoder_out)
         results.append((proposals, lprobs, heads.state.cache.clone(), heads.state.longest))
-    assert calls == [1] * 7 + [3, 1, 1]  # the fresh chain's seven; the first step's three entries, two later steps
+    assert calls == [1] * 7 + [kept, 1, 1]  # the fresh chain's seven; the first step's entries, two later steps
     (tokens, lprobs, cache, longest), (python_tokens, python_lprobs, python_cache, python_longest) = results
-    assert longest == python_longest == 4 and torch.equal(tokens, python_tokens)
+    assert longest == python_longest == 1 + kept and torch.equal(tokens, python_tokens)
     assert torch.allclose(lprobs, python_lprobs, atol=1e-4) and torch.allclose(cache, python_cache, atol=1e-4)
 
 
@@ -191,3 +196,47 @@ def test_arranged_weights_copy_with_a_compiled_layer_of_their_own(data_dir):
     assert torch.equal(copied.layer.step(*args, cache, 2, state.source_keys, state.source_values, None), drafted)
     assert torch.equal(cache, state.cache)
     assert pickle.loads(pickle.dumps(weights)).layer is not None
+
+
+def test_an_int8_product_refuses_overlaps_and_other_devices_and_serves_any_rows(kern):
+    """out may be add itself, nothing else it reads; Int8Product copies rows whose channels
+    are strided, and past 4 rows writes the sum with add into out."""
+    product = Int8Product(torch.randn(32, 80), torch.randn(80))
+    packed, scales = product.packed, product.scales32
+    x = torch.randn(2, 200)
+    with pytest.raises(RuntimeError, match="overlap"):  # out a view of x, written while x is read
+        kern.int8_product(x[:, :32], packed, scales, None, None, False, x[:, 16:96])
+    room = torch.randn(3, 80)
+    with pytest.raises(RuntimeError, match="overlap"):  # add one row behind out
+        kern.int8_product(torch.randn(2, 32), packed, scales, None, room[:2], False, room[1:])
+    with pytest.raises(RuntimeError, match="memory location"):  # out overlapping itself
+        kern.int8_product(torch.randn(2, 32), packed, scales, None, None, False, torch.randn(80).expand(2, 80))
+    strided = torch.randn(32, 3)[:, 0][None].expand(2, 32)  # channels at a stride of 3
+    assert torch.allclose(product(strided), product(strided.contiguous()))
+    for rows in (3, 6):
+        x, add = torch.randn(rows, 32), torch.randn(rows, 80)
+        out = torch.empty(rows, 80)
+        assert product(x, out=out, add=add) is out
+        assert torch.allclose(out, product(x) + add, atol=1e-5)
+
+
+def test_the_compiled_step_reads_no_masked_source_position_and_any_mask_layout(data_dir):
+    """Source positions under -inf are not read (an inf behind the mask changes nothing), and
+    a mask laid out at a stride gives the contiguous one's features."""
+    task, model = reduced_model(data_dir, 4, 2)
+    proposal_lprobs(model, task, 2)
+    heads = model.decoder.heads
+    state, layer = heads.state, heads.weights().layer
+    keys, values = state.source_keys.clone(), state.source_values.clone()
+    S = keys.size(2)
+    mask = torch.zeros(1, 1, 1, S)
+    mask[..., -2:] = -math.inf
+    args = (torch.randn(1, 16), torch.tensor([7]), state.cache.clone(), 3)
+    drafted = layer.step(*args, keys, values, mask)
+    keys[:, :, -2:], values[:, :, -2:] = math.inf, math.nan
+    assert torch.equal(layer.step(*args, keys, values, mask), drafted)
+    strided = torch.zeros(1, 1, 1, 2 * S)[..., ::2]
+    strided.copy_(mask)
+    assert torch.equal(layer.step(*args, keys, values, strided), drafted)
+    with pytest.raises(RuntimeError, match="tokens"):
+        layer.step(torch.randn(2, 16), torch.tensor([[5, 9], [7, 11]])[:, 0], *args[2:], keys, values, None)

@@ -3,10 +3,13 @@
 // A chain's draft step at batch 1 is one row through a whole pre-norm layer: eight
 // products, two attentions, four layer norms. Its products on int8 weights take ~60 µs in
 // all here; run as torch's operations from Python the step takes three times that, its
-// thirty-odd operations each paying dispatch and an allocation. This is the same function
-// as draft_step.py's decode_step on the same arranged weights (DraftWeights, all products
-// on int8: Int8Product), one call: the entries' table rows and features product, their
-// queries, keys and values written in the cache, and the last entry's layer.
+// thirty-odd operations each paying dispatch and an allocation. This is the function of
+// draft_step.py's decode_step on the same arranged weights (DraftWeights, all products on
+// int8: Int8Product), one call: the entries' table rows and features product, their
+// queries, keys and values written in the cache, and the last entry's layer. One difference:
+// a first step's entries run on the int8 weights however many they are, where the Python
+// step runs more than four rows on float32 products (there the faster ones); either
+// rounding only changes proposals, which head 1 verifies.
 #include <torch/extension.h>
 
 #include <limits>
@@ -29,48 +32,23 @@ struct Int8Weights {  // product.Int8Product's packed copy, as int8_product take
 
 // One query row (heads side by side, H x d) over `count` positions: keys and values at
 // key + j * position_stride + h * head_stride (d contiguous), an additive mask per position
-// (-inf: not seen; null: none) -> out H x d. Scaled by 1/sqrt(d), as the draft's layer
-// (torch's scaled_dot_product_attention's default).
+// (-inf: not seen, and not read; null: none) -> out H x d. Scaled by 1/sqrt(d), as the
+// draft's layer (torch's scaled_dot_product_attention's default).
 void attend_one(const float* q, const float* keys, const float* values, int64_t position_stride,
-                int64_t head_stride, int64_t count, const float* mask, int64_t mask_stride, int64_t heads, int64_t d,
-                float* out, std::vector<float>& score) {
-  score.resize(count);
+                int64_t head_stride, int64_t count, const float* mask, int64_t heads, int64_t d, float* out,
+                std::vector<float>& score, std::vector<char>& allowed) {
   const float factor = 1.0f / std::sqrt(static_cast<float>(d));
+  auto seen = [&](int64_t j, float* bias) -> bool {
+    if (!mask) return true;
+    *bias = mask[j];
+    return mask[j] != -std::numeric_limits<float>::infinity();
+  };
   for (int64_t h = 0; h < heads; ++h) {
-    const float* qh = q + h * d;
-    float* o = out + h * d;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < count; ++j) {
-      const float* k = keys + j * position_stride + h * head_stride;
-      float s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t c = 0; c < d; ++c) s += qh[c] * k[c];
-      s = s * factor + (mask ? mask[j * mask_stride] : 0.0f);
-      score[j] = s;
-      best = std::max(best, s);
-    }
-    std::fill(o, o + d, 0.0f);
-    if (best == -std::numeric_limits<float>::infinity()) continue;  // nothing seen: zeros, as torch's
-    float total = 0;
-    for (int64_t j = 0; j < count; ++j) {
-      score[j] = lean::exp_nonpositive(score[j] - best);
-      total += score[j];
-    }
-    const float scale = 1.0f / total;
-    for (int64_t j = 0; j < count; ++j) {
-      const float p = score[j] * scale;
-      const float* v = values + j * position_stride + h * head_stride;
-#pragma omp simd
-      for (int64_t c = 0; c < d; ++c) o[c] += p * v[c];
-    }
+    const float* k = keys + h * head_stride;
+    const float* v = values + h * head_stride;
+    lean::attend_query<float>(q + h * d, d, count, factor, seen, [&](int64_t j) { return k + j * position_stride; },
+                              [&](int64_t j) { return v + j * position_stride; }, out + h * d, score, allowed);
   }
-}
-
-// z += y, then normed = its layer norm without weights (the next product holds them).
-void residual_norm(float* z, const float* y, float* normed, int64_t c, double eps) {
-#pragma omp simd
-  for (int64_t i = 0; i < c; ++i) z[i] += y[i];
-  lean::norm_row<float>(z, normed, nullptr, nullptr, c, eps);
 }
 
 }  // namespace
@@ -120,8 +98,12 @@ class DraftLayer {
     TORCH_CHECK(features.dim() == 2 && features.size(1) == C && features.scalar_type() == at::kFloat &&
                     features.stride(1) == 1 && m >= 1,
                 "DraftLayer.step: features m x C float32, channels contiguous");
-    TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == m && tokens.scalar_type() == at::kLong,
-                "DraftLayer.step: m long tokens");
+    TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == m && tokens.scalar_type() == at::kLong &&
+                    tokens.is_contiguous(),
+                "DraftLayer.step: m long tokens, contiguous");
+    const std::initializer_list<const at::Tensor*> inputs{&features, &tokens, &cache, &source_keys, &source_values};
+    for (const at::Tensor* t : inputs)
+      TORCH_CHECK(t->device().is_cpu(), "DraftLayer.step: tensors on the CPU");
     TORCH_CHECK(cache.dim() == 3 && cache.size(0) == 1 && cache.size(2) == 3 * C && cache.is_contiguous() &&
                     cache.scalar_type() == at::kFloat && start >= 0 && start + m <= cache.size(1),
                 "DraftLayer.step: a 1 x L x 3C float32 cache with room for the entries");
@@ -131,8 +113,10 @@ class DraftLayer {
                     source_keys.scalar_type() == at::kFloat && source_values.scalar_type() == at::kFloat,
                 "DraftLayer.step: source keys and values 1 x H x S x d float32, alike");
     const int64_t S = source_keys.size(2);
-    TORCH_CHECK(!source_mask || (source_mask->numel() == S && source_mask->scalar_type() == at::kFloat),
+    TORCH_CHECK(!source_mask || (source_mask->numel() == S && source_mask->scalar_type() == at::kFloat &&
+                                 source_mask->device().is_cpu()),
                 "DraftLayer.step: an additive float32 source mask of S");
+    const at::Tensor mask = source_mask ? source_mask->contiguous() : at::Tensor();  // kept while read
     const int64_t* ids = tokens.data_ptr<int64_t>();
     const float* table = table_.data_ptr<float>();
     const int64_t V = table_.size(0);
@@ -144,7 +128,8 @@ class DraftLayer {
       std::copy(table + ids[r] * C, table + (ids[r] + 1) * C, z.data() + r * C);
     }
     products_[0].apply(features.data_ptr<float>(), features.stride(0), m, z.data(), C, false, z.data(), C);
-    for (int64_t r = 0; r < m; ++r) lean::norm_row<float>(z.data() + r * C, normed.data() + r * C, nullptr, nullptr, C, eps_[0]);
+    for (int64_t r = 0; r < m; ++r)
+      lean::norm_row<float>(z.data() + r * C, normed.data() + r * C, nullptr, nullptr, C, eps_[0]);
     float* columns = cache.data_ptr<float>();
     products_[1].apply(normed.data(), C, m, nullptr, 0, false, columns + start * 3 * C, 3 * C);
     // The last entry's layer.
@@ -154,18 +139,18 @@ class DraftLayer {
     std::vector<float>& out = buffer(3, C);
     std::vector<float>& hidden = buffer(4, products_[5].N);
     const float* q = columns + (start + m - 1) * 3 * C;
-    attend_one(q, columns + C, columns + 2 * C, 3 * C, d, start + m, nullptr, 0, H, d, y.data(), score_);
+    attend_one(q, columns + C, columns + 2 * C, 3 * C, d, start + m, nullptr, H, d, y.data(), score_, allowed_);
     products_[2].apply(y.data(), C, 1, nullptr, 0, false, out.data(), C);
-    residual_norm(zl, out.data(), nl, C, eps_[1]);
+    lean::residual_row<float>(zl, out.data(), nl, nullptr, nullptr, C, eps_[1]);
     products_[3].apply(nl, C, 1, nullptr, 0, false, out.data(), C);
-    const float* mask = source_mask ? source_mask->contiguous().data_ptr<float>() : nullptr;
     attend_one(out.data(), source_keys.data_ptr<float>(), source_values.data_ptr<float>(), source_keys.stride(2),
-               source_keys.stride(1), S, mask, 1, H, d, y.data(), score_);
+               source_keys.stride(1), S, mask.defined() ? mask.data_ptr<float>() : nullptr, H, d, y.data(), score_,
+               allowed_);
     products_[4].apply(y.data(), C, 1, nullptr, 0, false, out.data(), C);
-    residual_norm(zl, out.data(), nl, C, eps_[2]);
+    lean::residual_row<float>(zl, out.data(), nl, nullptr, nullptr, C, eps_[2]);
     products_[5].apply(nl, C, 1, nullptr, 0, true, hidden.data(), products_[5].N);
     products_[6].apply(hidden.data(), products_[5].N, 1, nullptr, 0, false, out.data(), C);
-    residual_norm(zl, out.data(), nl, C, eps_[3]);
+    lean::residual_row<float>(zl, out.data(), nl, nullptr, nullptr, C, eps_[3]);
     at::Tensor drafted = at::empty({1, C}, features.options());
     const float* last = features.data_ptr<float>() + (m - 1) * features.stride(0);
     products_[7].apply(nl, C, 1, last, C, false, drafted.data_ptr<float>(), C);
@@ -183,6 +168,7 @@ class DraftLayer {
   int64_t heads_;
   std::vector<double> eps_;
   std::vector<float> buffers_[5], score_;
+  std::vector<char> allowed_;
 };
 
 void bind_draft_layer(pybind11::module& m) {

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <optional>
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include "lean.h"
@@ -29,6 +30,10 @@ constexpr int64_t kBlock = 64;  // outputs per packed block: 64 int8 weights a c
 // Multiply-adds a thread's share must hold before a product is split between threads
 // (below it the hand-off costs more than it saves; measured on 1-4 rows).
 constexpr int64_t kParallelWork = 1 << 17;
+// How far ahead of the loop the weight is fetched (bytes): a product's weight is usually
+// not in the core's cache (the base's pass read 19 MB since the draft's last step), and
+// the hardware's prefetcher stops at each 4 KB page. A fetch past the weight's end is harmless.
+constexpr int64_t kPrefetchAhead = 2048;
 
 // sums[r][0..64) = Σ_c x[r][c] · w[c][0..64) for one block of outputs (w C x 64 int8).
 template <int M>
@@ -39,9 +44,11 @@ void block_sums(const float* x, int64_t x_stride, const int8_t* w, int64_t C, fl
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < C; ++c) {
     const int8_t* wc = w + c * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetchAhead), _MM_HINT_T0);
     __m512 weights[4];
     for (int j = 0; j < 4; ++j)
-      weights[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 16 * j))));
+      weights[j] =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 16 * j))));
     for (int r = 0; r < M; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * x_stride + c]);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, weights[j], acc[r][j]);
@@ -54,6 +61,7 @@ void block_sums(const float* x, int64_t x_stride, const int8_t* w, int64_t C, fl
   float acc[M][kBlock] = {};
   for (int64_t c = 0; c < C; ++c) {
     const int8_t* wc = w + c * kBlock;
+    __builtin_prefetch(wc + kPrefetchAhead);
     for (int r = 0; r < M; ++r) {
       const float xv = x[r * x_stride + c];
 #pragma omp simd
@@ -95,6 +103,21 @@ void rows_product(const float* x, int64_t x_stride, const int8_t* packed, int64_
   });
 }
 
+// Whether the memory spans of two tensors (first to last element) meet: a cautious test of
+// overlap (ATen's passes views with gaps between their rows unchecked).
+bool spans_meet(const at::Tensor& a, const at::Tensor& b) {
+  auto span = [](const at::Tensor& t) {
+    const char* first = static_cast<const char*>(t.data_ptr());
+    int64_t last = 0;
+    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+    return std::make_pair(first, first + (last + 1) * t.element_size());
+  };
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
 }  // namespace
 
 void lean::int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
@@ -116,7 +139,7 @@ void lean::int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* 
 // x (M x C float32, channels contiguous) by packed int8 weights (N/64 blocks of C x 64, N
 // rounded up to a block; output n's weight for channel c at [n/64][c][n%64]) -> out M x N
 // = x · Wᵀ · scales (+ bias) (+ add) (relu), into `out` where given (M x N, channels
-// contiguous; it may be `add` itself).
+// contiguous; it may be `add` itself, and must overlap nothing else it reads).
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& add, bool relu,
                         std::optional<at::Tensor> out) {
@@ -136,7 +159,14 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at:
   at::Tensor y = out ? *out : at::empty({M, N}, x.options());
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.stride(1) == 1,
               "int8_product: out M x N float32, channels contiguous");
-  TORCH_CHECK(!y.is_same(x) && (M == 1 || y.stride(0) >= N), "int8_product: out must not be x or overlap itself");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &packed, &scales, &y})
+    TORCH_CHECK(t->device().is_cpu(), "int8_product: tensors on the CPU");
+  TORCH_CHECK((!bias || bias->device().is_cpu()) && (!add || add->device().is_cpu()),
+              "int8_product: tensors on the CPU");
+  at::assert_no_internal_overlap(y);
+  TORCH_CHECK(!spans_meet(y, x), "int8_product: out must not overlap x");  // x is read while out is written
+  TORCH_CHECK(!add || (add->data_ptr() == y.data_ptr() && add->strides() == y.strides()) || !spans_meet(y, *add),
+              "int8_product: out must be add itself or not overlap it");
   if (M == 0) return y;
   lean::int8_rows(x.data_ptr<float>(), x.stride(0), M, packed.data_ptr<int8_t>(), C, N, scales.data_ptr<float>(),
                   bias ? bias->data_ptr<float>() : nullptr, add ? add->data_ptr<float>() : nullptr,

@@ -21,13 +21,11 @@
 
 #include "lean.h"
 
-using lean::exp_nonpositive;
-using lean::norm_row;
-
 namespace {
 
-// Everything here runs on the calling thread (the extension is built without OpenMP): work
-// large enough to pay for threads goes to torch's own kernels, past these sizes.
+// Everything here runs on the calling thread (only int8_product.cpp's products are split
+// between threads): work large enough to pay for threads goes to torch's own kernels, past
+// these sizes.
 // Attention of more query-key products than this (times d) goes to torch's fused kernel,
 // whose blocked products outrun these loops there; below it these loops, on one thread,
 // beat its dispatch and hand-offs. Likewise a residual norm of more elements than
@@ -59,52 +57,23 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     m0 = mask->stride(0), m1 = mask->stride(1), m2 = mask->stride(2), m3 = mask->stride(3);
   }
   T* o_data = out.data_ptr<T>();  // batch x n x heads x d, contiguous
-  std::vector<T> score(keys);
-  std::vector<char> allowed(keys);
+  std::vector<T> score;
+  std::vector<char> allowed;
   for (int64_t i = 0; i < batch * heads * n; ++i) {
     const int64_t b = i / (heads * n), h = (i / n) % heads, r = i % n;
-    const T* qi = Q.at(b, h, r);
-    T* o = o_data + ((b * n + r) * heads + h) * d;
-    T best = -std::numeric_limits<T>::infinity();
-    for (int64_t j = 0; j < keys; ++j) {
-      T bias = 0;
-      if (mask_data) {
-        const M m = mask_data[b * m0 + h * m1 + r * m2 + j * m3];
-        if constexpr (std::is_same_v<M, bool>) {
-          allowed[j] = m;
-        } else {
-          allowed[j] = m != -std::numeric_limits<M>::infinity();
-          bias = static_cast<T>(m);
-        }
+    auto seen = [&](int64_t j, T* bias) -> bool {
+      if (!mask_data) return true;
+      const M m = mask_data[b * m0 + h * m1 + r * m2 + j * m3];
+      if constexpr (std::is_same_v<M, bool>) {
+        return m;
       } else {
-        allowed[j] = 1;
+        *bias = static_cast<T>(m);
+        return m != -std::numeric_limits<M>::infinity();
       }
-      if (!allowed[j]) continue;
-      const T* kj = K.at(b, h, j);
-      T s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t c = 0; c < d; ++c) s += qi[c] * kj[c];
-      s = s * factor + bias;
-      score[j] = s;
-      best = std::max(best, s);
-    }
-    std::fill(o, o + d, T(0));
-    if (best == -std::numeric_limits<T>::infinity()) continue;
-    T total = 0;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < keys; ++j) {
-      const T e = allowed[j] ? exp_nonpositive(score[j] - best) : T(0);
-      score[j] = e;
-      total += e;
-    }
-    const T scale = T(1) / total;
-    for (int64_t j = 0; j < keys; ++j) {
-      if (!allowed[j]) continue;
-      const T p = score[j] * scale;
-      const T* vj = V.at(b, h, j);
-#pragma omp simd
-      for (int64_t c = 0; c < d; ++c) o[c] += p * vj[c];
-    }
+    };
+    lean::attend_query<T>(Q.at(b, h, r), d, keys, factor, seen, [&](int64_t j) { return K.at(b, h, j); },
+                          [&](int64_t j) { return V.at(b, h, j); }, o_data + ((b * n + r) * heads + h) * d, score,
+                          allowed);
   }
 }
 
@@ -188,10 +157,7 @@ std::vector<at::Tensor> residual_norm(const at::Tensor& x, at::Tensor& y, const 
     scalar_t* ns = normed.data_ptr<scalar_t>();
     const int64_t xr = x.stride(0), yr = y.stride(0), nr = normed.stride(0);
     for (int64_t r = 0; r < rows; ++r) {
-      scalar_t* row = ys + r * yr;
-      const scalar_t* add = xs + r * xr;
-      for (int64_t i = 0; i < c; ++i) row[i] += add[i];
-      norm_row(row, ns + r * nr, w, b, c, eps);
+      lean::residual_row(ys + r * yr, xs + r * xr, ns + r * nr, w, b, c, eps);
     }
   });
   if (pre) return {y, normed};
@@ -317,7 +283,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_chain", &exact_chain, "greedy's rule on a chain: verify, accept and commit fused");
   m.def("attend", &attend, "softmax(q kᵀ + mask) v, B x n x h x d");
   m.def("residual_norm", &residual_norm, "y = x + y, then its layer norm");
-  m.def("int8_product", &int8_product, "x · Wᵀ · scales (+ bias) (+ add) (relu) on packed int8 weights, 1-4 rows",
+  m.def("int8_product", &int8_product, "x · Wᵀ · scales (+ bias) (+ add) (relu) on packed int8 weights",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
         py::arg("relu") = false, py::arg("out") = py::none());
   bind_draft_layer(m);

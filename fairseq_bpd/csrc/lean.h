@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 namespace lean {
 
@@ -44,6 +46,55 @@ void norm_row(const T* x, T* out, const T* weight, const T* bias, int64_t c, dou
   }
 }
 
+
+// A residual sum and its layer norm, one row: sum += other, then normed = LN(sum).
+template <typename T>
+void residual_row(T* sum, const T* other, T* normed, const T* weight, const T* bias, int64_t c, double eps) {
+#pragma omp simd
+  for (int64_t i = 0; i < c; ++i) sum[i] += other[i];
+  norm_row(sum, normed, weight, bias, c, eps);
+}
+
+// One query's attention over `count` keys: seen(j, &bias) says whether key j is seen (and
+// sets its additive bias), key(j) and value(j) point to its vectors (d contiguous). out (d)
+// = softmax(factor · q · kᵀ + bias) · v over the keys seen, none of the others read; zeros
+// where no key is seen, as torch's fused attention gives. score, allowed: scratch.
+template <typename T, typename Seen, typename Key, typename Value>
+void attend_query(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key key, Value value, T* out,
+                  std::vector<T>& score, std::vector<char>& allowed) {
+  score.resize(count);
+  allowed.resize(count);
+  T best = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < count; ++j) {
+    T bias = 0;
+    allowed[j] = seen(j, &bias);
+    if (!allowed[j]) continue;
+    const T* k = key(j);
+    T s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t c = 0; c < d; ++c) s += q[c] * k[c];
+    s = s * factor + bias;
+    score[j] = s;
+    best = std::max(best, s);
+  }
+  std::fill(out, out + d, T(0));
+  if (best == -std::numeric_limits<T>::infinity()) return;
+  T total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < count; ++j) {
+    const T e = allowed[j] ? exp_nonpositive(score[j] - best) : T(0);
+    score[j] = e;
+    total += e;
+  }
+  const T scale = T(1) / total;
+  for (int64_t j = 0; j < count; ++j) {
+    if (!allowed[j]) continue;
+    const T p = score[j] * scale;
+    const T* v = value(j);
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) out[c] += p * v[c];
+  }
+}
 
 // out (M x N, row stride out_stride) = x (M x C, row stride x_stride) · Wᵀ · scales
 // (+ bias) (+ add) (relu), W int8 packed as int8_product's (N/64 blocks of C x 64); any M,
