@@ -230,26 +230,21 @@ class Int8Product(tuple):
         where given."""
         if (x.size(0) > INT8_MOST_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad
                 or x.device.type != "cpu"):
-            y = finish(self.full(x), add, relu)
-            return y if out is None else out.copy_(y)
+            return finish(self.full(x), add, relu, out)
         kern = kernels.module() if x.dtype == torch.float32 else None
         if kern is not None:
             if x.stride(1) != 1:  # the kernel reads each row's channels in one run
                 x = x.contiguous()
             return kern.int8_product(x, self.packed, self.scales32, self[1], add, relu, out)
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.quantized, self.scales)  # M x N, bf16
-        bias = self[1]
-        if bias is not None:
-            y = torch.add(y, bias)
-        if add is not None:
-            y = y + add
-        if out is not None:
-            return finish(out.copy_(y), None, relu)
-        return finish(y, None, relu)
+        return finish(y if self[1] is None else torch.add(y, self[1]), add, relu, out)
 
 
-def finish(y, add, relu):
-    """y + add (relu): what Int8Product's kernel does in its product, after another's."""
+def finish(y, add, relu, out):
+    """y + add (relu), into `out` where given: what Int8Product's kernel does in its
+    product, after another's."""
     if add is not None:
         y = y + add
-    return torch.relu_(y) if relu else y
+    if relu:
+        y = torch.relu_(y)
+    return y if out is None else out.copy_(y)

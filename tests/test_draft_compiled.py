@@ -179,6 +179,14 @@ def test_the_compiled_step_refuses_what_it_would_misread(data_dir, kern):
         layer.step(features, tokens, state.cache, 0, keys, values[..., :2], None)
     with pytest.raises(RuntimeError, match="eight products"):
         kern.DraftLayer(torch.randn(30, 16), [], [], [], 2, [1e-5] * 4)
+    weights = heads.weights()
+    products = (weights.features_in, weights.qkv, weights.self_out, weights.source_query, weights.source_out,
+                weights.ffn1, weights.ffn2, weights.fc_out)
+    packed = [p.packed for p in products]
+    packed[1] = packed[1].float()  # not int8
+    with pytest.raises(RuntimeError, match="DraftLayer: packed weights"):
+        kern.DraftLayer(weights.table, packed, [p.scales32 for p in products],
+                        [torch.zeros(0) if p[1] is None else p[1] for p in products], weights.heads, list(weights.eps))
 
 
 def test_arranged_weights_copy_with_a_compiled_layer_of_their_own(data_dir):

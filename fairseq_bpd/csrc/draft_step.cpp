@@ -68,13 +68,9 @@ class DraftLayer {
       Int8Weights w;
       w.packed = packed[i], w.scales = scales[i];
       if (biases[i].numel() > 0) w.bias = biases[i];
+      TORCH_CHECK(w.packed.dim() == 3, "DraftLayer: product ", i, " is not an Int8Product's packed copy");
       w.C = packed[i].size(1), w.N = scales[i].numel();
-      TORCH_CHECK(w.packed.scalar_type() == at::kChar && w.packed.is_contiguous() && w.packed.dim() == 3 &&
-                      w.packed.size(2) == 64 && w.packed.size(0) * 64 >= w.N && w.scales.is_contiguous() &&
-                      w.scales.scalar_type() == at::kFloat &&
-                      (!w.bias.defined() || (w.bias.numel() == w.N && w.bias.is_contiguous() &&
-                                             w.bias.scalar_type() == at::kFloat)),
-                  "DraftLayer: product ", i, " is not an Int8Product's packed copy");
+      lean::check_int8_weights(w.packed, w.scales, w.bias.defined() ? &w.bias : nullptr, w.C, "DraftLayer");
       products_.push_back(w);
     }
     const int64_t C = table_.size(1);

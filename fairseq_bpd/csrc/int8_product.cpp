@@ -120,6 +120,20 @@ bool spans_meet(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
+void lean::check_int8_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor* bias, int64_t C,
+                              const char* who) {
+  const int64_t N = scales.numel();
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) == C && packed.size(2) == kBlock && packed.size(0) * kBlock >= N &&
+                  (packed.size(0) - 1) * kBlock < N,
+              who, ": packed weights N/64 x C x 64 int8, contiguous");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), who, ": N float32 scales");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              who, ": a bias of N float32");
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu() && (!bias || bias->device().is_cpu()), who,
+              ": tensors on the CPU");
+}
+
 void lean::int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
                      const float* scales, const float* bias, const float* add, int64_t add_stride, bool relu,
                      float* out, int64_t out_stride) {
@@ -146,22 +160,14 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "int8_product: x M x C float32, channels contiguous");
   const int64_t M = x.size(0), C = x.size(1), N = scales.numel();
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(1) == C && packed.size(2) == kBlock && packed.size(0) * kBlock >= N &&
-                  (packed.size(0) - 1) * kBlock < N,
-              "int8_product: packed weights N/64 x C x 64 int8, contiguous");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "int8_product: N float32 scales");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "int8_product: a bias of N float32");
+  lean::check_int8_weights(packed, scales, bias ? &*bias : nullptr, C, "int8_product");
   TORCH_CHECK(!add || (add->scalar_type() == at::kFloat && add->dim() == 2 && add->size(0) == M &&
                        add->size(1) == N && add->stride(1) == 1),
               "int8_product: add M x N float32, channels contiguous");
   at::Tensor y = out ? *out : at::empty({M, N}, x.options());
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.stride(1) == 1,
               "int8_product: out M x N float32, channels contiguous");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &packed, &scales, &y})
-    TORCH_CHECK(t->device().is_cpu(), "int8_product: tensors on the CPU");
-  TORCH_CHECK((!bias || bias->device().is_cpu()) && (!add || add->device().is_cpu()),
+  TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && (!add || add->device().is_cpu()),
               "int8_product: tensors on the CPU");
   at::assert_no_internal_overlap(y);
   TORCH_CHECK(!spans_meet(y, x), "int8_product: out must not overlap x");  // x is read while out is written

@@ -119,7 +119,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
-
 // The residual stream after a sublayer: y (R x C, a sublayer's fresh output) becomes x + y
 // in place; then the layer norm of it (weight, bias: C or None): into y itself where `pre`
 // is false (a post-norm layer's stream is the normed sum), else into a new tensor (a

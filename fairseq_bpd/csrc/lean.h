@@ -46,7 +46,6 @@ void norm_row(const T* x, T* out, const T* weight, const T* bias, int64_t c, dou
   }
 }
 
-
 // A residual sum and its layer norm, one row: sum += other, then normed = LN(sum).
 template <typename T>
 void residual_row(T* sum, const T* other, T* normed, const T* weight, const T* bias, int64_t c, double eps) {
@@ -95,6 +94,11 @@ void attend_query(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key
     for (int64_t c = 0; c < d; ++c) out[c] += p * v[c];
   }
 }
+
+// Refuses (naming `who`) what is not an int8 product's packed copy for C input channels:
+// packed N/64 x C x 64 int8, N float32 scales, a bias of N float32 or none, on the CPU.
+void check_int8_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor* bias, int64_t C,
+                        const char* who);
 
 // out (M x N, row stride out_stride) = x (M x C, row stride x_stride) · Wᵀ · scales
 // (+ bias) (+ add) (relu), W int8 packed as int8_product's (N/64 blocks of C x 64); any M,
