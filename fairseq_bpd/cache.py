@@ -311,6 +311,13 @@ class StaticCache:
         """The source's keys and values for layer `layer` (B x h x S x d each), or None."""
         return self.sources[layer]
 
+    def source_lists(self):
+        """Every layer's source keys, and values, as two lists (B x h x S x d each), or None
+        before the first pass has kept them all."""
+        if any(source is None for source in self.sources):
+            return None
+        return [k for k, _ in self.sources], [v for _, v in self.sources]
+
     def keep_source(self, layer, k, v, padding_mask):
         """Keep the source's keys and values for `layer`; padding_mask b x S (True: padding) or None."""
         self.sources[layer] = (k, v)

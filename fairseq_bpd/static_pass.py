@@ -62,6 +62,18 @@ class LeanWeights:
 
     def __init__(self, layers):
         self.layers = [self.arrange(layer) for layer in layers]
+        self.compiled = None  # block_pass's, made on first use
+
+    def __getstate__(self):  # copies and pickles make their own compiled pass (a C++ object)
+        return {**self.__dict__, "compiled": None}
+
+    def block_pass(self, kern):
+        """The compiled kernels' batch-1 pass (csrc/block_pass.cpp) on these weights, or
+        False where it does not apply: a layer without encoder attention or with a
+        feed-forward other than relu, weights not float32 or not on the CPU."""
+        if self.compiled is None:
+            self.compiled = compiled_block_pass(kern, self.layers)
+        return self.compiled
 
     @staticmethod
     def arrange(layer):
@@ -87,6 +99,20 @@ def self_attention_and_feed_forward(layer):
         "fc1": transposed(layer.fc1), "fc2": transposed(layer.fc2),
         "final_norm": norm_params(layer.final_layer_norm),
     }
+
+
+def compiled_block_pass(kern, layers):
+    """kern.BlockPass on the arranged layers (LeanWeights.block_pass), or False."""
+    products = [(w["qkv"], w["out"], w["cross"] and w["cross"]["q"], w["cross"] and w["cross"]["out"], w["fc1"],
+                 w["fc2"]) for w in layers]
+    if any(w["cross"] is None or w["activation"] is not torch.relu for w in layers) or any(
+            p[0].dtype != torch.float32 or p[0].device.type != "cpu" for layer in products for p in layer):
+        return False
+    norms = [(w["self_norm"], w["cross_norm"], w["final_norm"]) for w in layers]
+    return kern.BlockPass([[t.contiguous() for p in layer for t in p] for layer in products],
+                          [[t for n in layer for t in n[1:3]] for layer in norms],
+                          [[n[3] for n in layer] for layer in norms],
+                          [w["pre"] for w in layers], [w["heads"] for w in layers])
 
 
 def product(x, weights):
@@ -129,6 +155,9 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
     rows, n, channels = x.shape
     x = x.view(rows * n, channels)
     kern = kernels.serve(x)
+    if (rows == 1 and kern is not None and x.dtype == torch.float32 and alignment_layer is None
+            and encoder_out is not None and lean.block_pass(kern)):
+        return compiled(lean, cache, x, encoder_out, padding_mask, mask).view(rows, n, channels), None
     attn = None
     for i, w in enumerate(lean.layers):
         pre, heads = w["pre"], w["heads"]
@@ -152,6 +181,17 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
         x = x.index_select(0, cache.rows)
         attn = attn.index_select(0, cache.rows) if attn is not None else None
     return x, attn
+
+
+def compiled(lean, cache, x, encoder_out, padding_mask, mask):
+    """The layers over a block at batch 1 in one call (csrc/block_pass.cpp): x n x C -> n x C;
+    the source's keys and values made first where the cache has none yet."""
+    sources = cache.source_lists()
+    if sources is None:
+        for i, w in enumerate(lean.layers):
+            source_keys_values(w["cross"], cache, i, encoder_out, padding_mask)
+        sources = cache.source_lists()
+    return lean.compiled.run(x, cache.kv, cache.longest, mask, *sources, cache.source_mask)
 
 
 def attended(kern, q, k, v, mask, rows, n):

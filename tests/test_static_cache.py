@@ -27,8 +27,8 @@ class Sentences:
     """Blocks of random tokens, random widths (or a tree), fed through forward_block after each
     sentence's kept prefix; random kept lengths; sentences leave at `leave` rounds."""
 
-    def __init__(self, data_dir, bsz, seed, static=True, tree=None, dtype=torch.float64):
-        self.task, self.model, _ = build(data_dir, "--block-size", "4", seed=seed, dtype=dtype)
+    def __init__(self, data_dir, bsz, seed, static=True, tree=None, dtype=torch.float64, extra=()):
+        self.task, self.model, _ = build(data_dir, "--block-size", "4", *extra, seed=seed, dtype=dtype)
         self.decoder, self.eos = self.model.decoder, self.task.target_dictionary.eos()
         self.decoder.static_cache = static
         sample = random_sample(self.task, bsz=bsz, seed=seed)
@@ -38,6 +38,7 @@ class Sentences:
         self.rows = list(range(bsz))  # which sentence each row is
         self.cached = torch.zeros(bsz, dtype=torch.long)
         self.state, self.tree, self.first = {}, tree, True
+        self.alignment = True  # the alignment layer's attention asked for (the hub's, when asked)
 
     def block(self, width):
         b = len(self.rows)
@@ -54,7 +55,7 @@ class Sentences:
         depth = tree.depth if tree is not None else torch.arange(block.size(1))
         mask = tree.mask if tree is not None else None
         features, _ = self.decoder.forward_block(block, self.cached[:, None] + depth, self.encoder_out, self.state,
-                                                 mask)
+                                                 mask, alignment=self.alignment)
         self.first = False
         return block, features, tree
 

@@ -275,8 +275,9 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at:
                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& add, bool relu,
                         std::optional<at::Tensor> out);
 
-// draft_step.cpp
+// draft_step.cpp, block_pass.cpp
 void bind_draft_layer(pybind11::module& m);
+void bind_block_pass(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_chain", &exact_chain, "greedy's rule on a chain: verify, accept and commit fused");
@@ -286,4 +287,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
         py::arg("relu") = false, py::arg("out") = py::none());
   bind_draft_layer(m);
+  bind_block_pass(m);
 }

@@ -1,4 +1,4 @@
-// What the compiled kernels share (lean.cpp, int8_product.cpp, draft_step.cpp).
+// What the compiled kernels share (lean.cpp, int8_product.cpp, draft_step.cpp, block_pass.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace lean {
@@ -108,3 +109,10 @@ void int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed
                int64_t out_stride);
 
 }  // namespace lean
+
+// lean.cpp's attention and residual norm (their comments there), which block_pass.cpp calls
+// as static_pass.py does.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& mask, std::optional<double> scale);
+std::vector<at::Tensor> residual_norm(const at::Tensor& x, at::Tensor& y, const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias, double eps, bool pre);
