@@ -17,6 +17,7 @@ from fairseq.modules import LayerNorm, MultiheadAttention
 from .heads import (Proposer, after_head1, chain_proposals, choose, decoding_logits, following_tokens,
                     no_proposals, shortlist_logits)
 from .draft_step import DraftState, DraftWeights, Waiting, decode_step, feed_waiting, tree_plan
+from . import kernels
 from .product import Int8Product, Product
 from .targets import shift_target
 
@@ -229,13 +230,21 @@ class DraftDecoder(nn.Module, Proposer):
         """decoding_logits of drafted features ... x C -> ... x N, on an int8 copy of the
         decoder's proposal projection where the draft's weights are reduced (DraftWeights):
         made again whenever the decoder arranges its projection anew (another Product)."""
+        projection = self.reduced_projection(vocab)
+        if projection is None:
+            return decoding_logits(self.decoder, drafted, vocab)
+        return projection(drafted.reshape(-1, drafted.size(-1))).view(*drafted.shape[:-1], -1)
+
+    def reduced_projection(self, vocab):
+        """The int8 copy of the decoder's proposal projection (an Int8Product), or None where
+        the draft's weights are not reduced or the projection is not a Product."""
         projection = self.decoder.proposal_projection(vocab) if self.state.weights.reduced else None
         if not isinstance(projection, Product):
-            return decoding_logits(self.decoder, drafted, vocab)
+            return None
         kept = getattr(self, "_reduced_projection", None)
         if kept is None or kept[0] is not projection:
             kept = self._reduced_projection = projection, Int8Product(*projection)
-        return kept[1](drafted.reshape(-1, drafted.size(-1))).view(*drafted.shape[:-1], -1)
+        return kept[1]
 
     def train(self, mode=True):
         self.forget_arranged()
@@ -267,6 +276,10 @@ class DraftDecoder(nn.Module, Proposer):
         if width <= 1:
             self.defer(features, token, encoder_out)
             return no_proposals(features, topn, log_probs)
+        if features.size(0) == 1 and topn == 1 and not log_probs and confidence == -math.inf:
+            proposals = self.compiled_chain(features, token, width, vocab, encoder_out)
+            if proposals is not None:
+                return proposals, None
         state, drafted = self.first_step(features, token, encoder_out)
         alone = features.size(0) == 1  # batch 1: each step in the column the host knows, no mask
         if width > 2:
@@ -291,6 +304,26 @@ class DraftDecoder(nn.Module, Proposer):
         if lprobs:  # each step's, as the stop summed them (not made again from the logits)
             return chain_proposals(chosen, [], topn, False)[0], torch.stack(lprobs, dim=1) if log_probs else None
         return chain_proposals(chosen, logits, topn, log_probs)
+
+    def compiled_chain(self, features, token, width, vocab, encoder_out):
+        """propose()'s chain at batch 1 (features 1 x C, token 1), no log-probs, in one call of
+        the compiled layer (DraftLayer.chain: the first step, then each step's best token on
+        the int8 proposal projection and the next step): tokens 1 x width-1 x 1; the state
+        left as the Python loop leaves it. None where it does not serve: the first step made
+        already, no compiled layer or int8 projection, not float32, autograd."""
+        state = self.sync(features, encoder_out)
+        layer, projection = state.weights.layer, self.reduced_projection(vocab)
+        if (state.proposed or layer is None or projection is None or features.dtype != torch.float32
+                or features.requires_grad or kernels.module() is None):
+            return None
+        start = state.longest
+        inputs, tokens = state.alone_entries(features, token)  # m x C, m
+        state.reserve(start + inputs.size(0) + width - 2)
+        state.root, proposals = layer.chain(inputs, tokens, state.cache, start, state.source_keys,
+                                            state.source_values, state.source_mask, projection.packed,
+                                            projection.scales32, projection[1], width - 1)
+        state.length, state.longest, state.proposed = state.length + inputs.size(0), start + inputs.size(0), True
+        return proposals.view(1, width - 1, 1)
 
     def defer(self, features, token, encoder_out):
         """A block of one proposes nothing, so its first step is not made: the last accepted

@@ -155,7 +155,7 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
     rows, n, channels = x.shape
     x = x.view(rows * n, channels)
     kern = kernels.serve(x)
-    if (rows == 1 and kern is not None and x.dtype == torch.float32 and alignment_layer is None
+    if (rows == 1 and cache.equal and kern is not None and x.dtype == torch.float32 and alignment_layer is None
             and encoder_out is not None and lean.block_pass(kern)):
         return compiled(lean, cache, x, encoder_out, padding_mask, mask).view(rows, n, channels), None
     attn = None

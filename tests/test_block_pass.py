@@ -155,7 +155,7 @@ def test_the_compiled_pass_refuses_what_it_would_misread(kern, data_dir):
         (torch.zeros(2, channels + 1), kv, 0, None),  # the wrong width
         (x, kv, 7, None),  # no room in the cache for the block
         (x, kv[:, :, :, :channels], 0, None),  # not a 3C cache
-        (x, kv.transpose(2, 3).contiguous().transpose(2, 3), 0, None),  # a cache not contiguous
+        (x, kv.transpose(2, 3).contiguous().transpose(2, 3), 0, None),  # a cache's columns not contiguous
         (x, kv, 0, torch.zeros(2, 3)),  # a mask of the wrong width
     ]
     for args in bad:
@@ -165,3 +165,28 @@ def test_the_compiled_pass_refuses_what_it_would_misread(kern, data_dir):
         block_pass.run(x, kv, 0, None, source[:1], source[:1], None)
     with pytest.raises(RuntimeError, match="BlockPass"):
         kern.BlockPass([], [], [], [], [])
+
+
+def test_the_last_sentence_of_a_batch_takes_the_compiled_pass(kern, data_dir, monkeypatch):
+    """Three sentences kept to unequal lengths, then all but the shortest leave (the cache
+    compacted to its row, longer ones' columns past its length): the block after is the
+    Python pass's (the cache's lengths not yet known equal: the row's block is not at the
+    longest's columns), each block after that the compiled pass's; every block a
+    full-prefix pass's features and bit for bit the Python pass's."""
+    monkeypatch.setenv(PACKED_VARIABLE, "0")
+    results = []
+    for compiled_on in (True, False):
+        if compiled_on:
+            counters = counting(monkeypatch)
+        else:
+            without_compiled_pass(monkeypatch)
+        sentences = Sentences(data_dir, bsz=3, seed=34, dtype=torch.float32)
+        feed_and_keep(sentences, [1, 3, 4])
+        shortest = int(sentences.cached.argmin())
+        assert sentences.cached[shortest] < sentences.cached.max()
+        sentences.leave([shortest])
+        results.append(feed_and_keep(sentences, [3, 1, 4, 2]))
+        if compiled_on:
+            assert sum(c.runs for c in counters) == 3
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -13,6 +13,7 @@ from test_draft_precision import proposal_lprobs, reduced_model
 from test_generator import blockwise, greedy
 
 from fairseq_bpd import draft_step, kernels
+from fairseq_bpd.draft import DraftDecoder
 from fairseq_bpd import product as product_module
 from fairseq_bpd.product import Int8Product
 
@@ -142,6 +143,12 @@ class Recorded:
         self.calls.append(features.size(0))
         return self.layer.step(features, *args)
 
+    def chain(self, features, *args):
+        """Counted as its steps: the first's entries, then each later step's one."""
+        self.calls.extend([features.size(0)] + [1] * (args[-1] - 1))
+        self.chains = getattr(self, "chains", 0) + 1
+        return self.layer.chain(features, *args)
+
 
 @pytest.mark.parametrize("k", [3, 8])
 @pytest.mark.parametrize("seed", range(3))
@@ -248,3 +255,60 @@ def test_the_compiled_step_reads_no_masked_source_position_and_any_mask_layout(d
     assert torch.equal(layer.step(*args, keys, values, strided), drafted)
     with pytest.raises(RuntimeError, match="tokens"):
         layer.step(torch.randn(2, 16), torch.tensor([[5, 9], [7, 11]])[:, 0], *args[2:], keys, values, None)
+
+
+@pytest.mark.parametrize("kept", [0, 3])
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_a_compiled_chain_is_the_python_loop_of_compiled_steps(data_dir, monkeypatch, kept, width):
+    """propose() at batch 1 without log-probs: one DraftLayer.chain call (the first step,
+    after `kept` accepted positions waiting, and each later step on the int8 projection's
+    best token) gives the Python loop's proposals, and leaves the state as it does (the
+    cache, the first step's features, the lengths), bit for bit: the same kernels."""
+    layers, results = [], []
+    compiled = draft_step.compiled_layer
+
+    def recorded(weights):
+        layers.append(Recorded(compiled(weights), []))
+        return layers[-1]
+    monkeypatch.setattr(draft_step, "compiled_layer", recorded)
+    g = torch.Generator().manual_seed(5)
+    features, block = 3 * torch.randn(1, 8, 16, generator=g), torch.randint(4, 28, (1, 8), generator=g)
+    for chained in (True, False):
+        if not chained:
+            monkeypatch.setattr(DraftDecoder, "compiled_chain", lambda *args: None)
+        task, model = reduced_model(data_dir, 8, 5)
+        heads = model.decoder.heads
+        sample = random_sample(task, bsz=1, seed=5)
+        heads.state = None
+        with torch.no_grad():
+            encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
+            if kept:
+                heads.propose(features[:, 0], torch.tensor([5]), 8, 0, 1, encoder_out, log_probs=False)
+                heads.keep(torch.arange(8)[None], torch.tensor([kept]), features, block)
+            proposals, lprobs = heads.propose(features[:, max(kept, 1) - 1], torch.tensor([6]), width, 0, 1,
+                                              encoder_out, log_probs=False)
+        state = heads.state
+        results.append((proposals, state.cache.clone(), state.root.clone(), state.length.clone(), state.longest))
+        assert lprobs is None and proposals.shape == (1, width - 1, 1)
+    assert getattr(layers[0], "chains", 0) == (2 if kept else 1)
+    assert not hasattr(layers[-1], "chains")  # the Python loop's
+    for chained, python in zip(*results):
+        assert torch.equal(chained, python) if torch.is_tensor(chained) else chained == python
+
+
+def test_a_compiled_chain_refuses_what_it_would_misread(data_dir, kern):
+    task, model = reduced_model(data_dir, 4, 0)
+    proposal_lprobs(model, task, 0)
+    heads = model.decoder.heads
+    state, layer = heads.state, heads.weights().layer
+    projection = heads.reduced_projection(0)
+    args = (state.source_keys, state.source_values, None, projection.packed, projection.scales32, projection[1])
+    features, tokens = torch.randn(1, 16), torch.tensor([5])
+    root, proposals = layer.chain(features, tokens, state.cache, 0, *args, 3)
+    assert root.shape == (1, 16) and proposals.shape == (3,)
+    with pytest.raises(RuntimeError, match="room"):  # the later steps' columns past the cache
+        layer.chain(features, tokens, state.cache, state.cache.size(1) - 2, *args, 3)
+    with pytest.raises(RuntimeError, match="one proposal"):
+        layer.chain(features, tokens, state.cache, 0, *args, 0)
+    with pytest.raises(RuntimeError, match="packed"):
+        layer.chain(features, tokens, state.cache, 0, *args[:3], projection.packed.float(), *args[4:], 3)

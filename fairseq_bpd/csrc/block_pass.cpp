@@ -11,6 +11,7 @@
 // with encoder attention, no attention weights asked for: static_pass decides.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -87,9 +88,9 @@ class BlockPass {
   }
 
   // x: the block's n rows (n x C float32, contiguous); kv: the StaticCache's buffer (L x 1 x
-  // T x 3C, contiguous), the block's queries, keys and values written at columns
+  // T x 3C, each row's columns contiguous: a compacted cache is a slice of its rows), the block's queries, keys and values written at columns
   // longest..longest+n; mask: the block's self-attention mask over the first longest+n
-  // columns (n x W additive, None: every column seen); keys, values: each layer's source
+  // columns (n x W additive, or 1 x 1 x n x W; None: every column seen); keys, values: each layer's source
   // keys and values (1 x h x S x d); source_mask: additive, broadcastable to 1 x h x n x S,
   // or None. Returns the last layer's output, n x C.
   at::Tensor run(const at::Tensor& input, at::Tensor& kv, int64_t longest, const std::optional<at::Tensor>& mask,
@@ -100,12 +101,16 @@ class BlockPass {
                     input.device().is_cpu() && input.size(0) > 0,
                 "BlockPass.run: x n x C float32 on the CPU, contiguous");
     const int64_t n = input.size(0);
-    TORCH_CHECK(kv.dim() == 4 && kv.size(0) == L && kv.size(1) == 1 && kv.size(3) == 3 * C && kv.is_contiguous() &&
+    TORCH_CHECK(kv.dim() == 4 && kv.size(0) == L && kv.size(1) == 1 && kv.size(3) == 3 * C && kv.stride(3) == 1 &&
+                    kv.stride(2) == 3 * C &&
                     kv.scalar_type() == at::kFloat && kv.device().is_cpu() && longest >= 0 &&
                     longest + n <= kv.size(2),
-                "BlockPass.run: a L x 1 x T x 3C float32 cache with room for the block");
-    TORCH_CHECK(!mask || (mask->dim() == 2 && mask->size(0) == n && mask->size(1) == longest + n &&
-                          mask->scalar_type() == at::kFloat),
+                "BlockPass.run: a L x 1 x T x 3C float32 cache, columns contiguous, with room for the block");
+    // n x W, or 1 x 1 x n x W (StaticCache.begin's where the batch's lengths once differed)
+    const bool leading_ones = mask && mask->dim() >= 2 && mask->dim() <= 4 &&
+                              std::all_of(mask->sizes().begin(), mask->sizes().end() - 2, [](int64_t s) { return s == 1; });
+    TORCH_CHECK(!mask || (leading_ones && mask->size(-2) == n && mask->size(-1) == longest + n &&
+                          mask->scalar_type() == at::kFloat && mask->device().is_cpu()),
                 "BlockPass.run: a self-attention mask n x (longest + n), additive float32");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == L && static_cast<int64_t>(values.size()) == L,
                 "BlockPass.run: the source's keys and values for each layer");

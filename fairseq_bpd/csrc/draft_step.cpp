@@ -12,6 +12,7 @@
 // rounding only changes proposals, which head 1 verifies.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -90,6 +91,57 @@ class DraftLayer {
   at::Tensor step(const at::Tensor& features, const at::Tensor& tokens, at::Tensor& cache, int64_t start,
                   const at::Tensor& source_keys, const at::Tensor& source_values,
                   const std::optional<at::Tensor>& source_mask) {
+    const int64_t C = table_.size(1), m = features.size(0);
+    check(features, tokens, cache, start, source_keys, source_values, source_mask, m);
+    const at::Tensor mask = source_mask ? source_mask->contiguous() : at::Tensor();  // kept while read
+    at::Tensor drafted = at::empty({1, C}, features.options());
+    run(features.data_ptr<float>(), features.stride(0), tokens.data_ptr<int64_t>(), m, cache.data_ptr<float>(), start,
+        source_keys, source_values, mask, drafted.data_ptr<float>());
+    return drafted;
+  }
+
+  // A chain's proposals at batch 1: step() of the entries, then `count` times the drafted
+  // features' best token on the proposal projection (an Int8Product's packed copy, its
+  // scales and bias or None: the first of equal logits) and, but after the last, the
+  // step of that features and token in the next column. Returns the first step's drafted
+  // features (1 x C) and the count tokens (long). What the Python loop computes from
+  // step() and the projection, in one call.
+  std::vector<at::Tensor> chain(const at::Tensor& features, const at::Tensor& tokens, at::Tensor& cache, int64_t start,
+                                const at::Tensor& source_keys, const at::Tensor& source_values,
+                                const std::optional<at::Tensor>& source_mask, const at::Tensor& packed,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t count) {
+    const int64_t C = table_.size(1), m = features.size(0);
+    TORCH_CHECK(count >= 1, "DraftLayer.chain: at least one proposal");
+    check(features, tokens, cache, start, source_keys, source_values, source_mask, m + count - 1);
+    lean::check_int8_weights(packed, scales, bias ? &*bias : nullptr, C, "DraftLayer.chain");
+    const int64_t N = scales.numel();
+    TORCH_CHECK(N > 0 && N <= table_.size(0), "DraftLayer.chain: a projection onto at most the vocabulary");
+    const at::Tensor mask = source_mask ? source_mask->contiguous() : at::Tensor();  // kept while read
+    at::Tensor root = at::empty({1, C}, features.options());
+    at::Tensor proposals = at::empty({count}, tokens.options());
+    int64_t* chosen = proposals.data_ptr<int64_t>();
+    float* spare[2] = {buffer(5, C).data(), buffer(7, C).data()};  // each later step's drafted features, in turn
+    std::vector<float>& logits = buffer(6, N);
+    float* cache_data = cache.data_ptr<float>();
+    run(features.data_ptr<float>(), features.stride(0), tokens.data_ptr<int64_t>(), m, cache_data, start, source_keys,
+        source_values, mask, root.data_ptr<float>());
+    const float* current = root.data_ptr<float>();
+    for (int64_t i = 0; i < count; ++i) {
+      lean::int8_rows(current, C, 1, packed.data_ptr<int8_t>(), C, N, scales.data_ptr<float>(),
+                      bias ? bias->data_ptr<float>() : nullptr, nullptr, 0, false, logits.data(), N);
+      chosen[i] = std::max_element(logits.begin(), logits.end()) - logits.begin();
+      if (i + 1 == count) break;
+      run(current, C, chosen + i, 1, cache_data, start + m + i, source_keys, source_values, mask, spare[i % 2]);
+      current = spare[i % 2];
+    }
+    return {root, proposals};
+  }
+
+ private:
+  // Refuses what step and chain would misread: `columns` entries written from column start.
+  void check(const at::Tensor& features, const at::Tensor& tokens, const at::Tensor& cache, int64_t start,
+             const at::Tensor& source_keys, const at::Tensor& source_values,
+             const std::optional<at::Tensor>& source_mask, int64_t columns) const {
     const int64_t C = table_.size(1), m = features.size(0), H = heads_, d = C / H;
     TORCH_CHECK(features.dim() == 2 && features.size(1) == C && features.scalar_type() == at::kFloat &&
                     features.stride(1) == 1 && m >= 1,
@@ -101,32 +153,35 @@ class DraftLayer {
     for (const at::Tensor* t : inputs)
       TORCH_CHECK(t->device().is_cpu(), "DraftLayer.step: tensors on the CPU");
     TORCH_CHECK(cache.dim() == 3 && cache.size(0) == 1 && cache.size(2) == 3 * C && cache.is_contiguous() &&
-                    cache.scalar_type() == at::kFloat && start >= 0 && start + m <= cache.size(1),
+                    cache.scalar_type() == at::kFloat && start >= 0 && start + columns <= cache.size(1),
                 "DraftLayer.step: a 1 x L x 3C float32 cache with room for the entries");
     TORCH_CHECK(source_keys.dim() == 4 && source_keys.size(0) == 1 && source_keys.size(1) == H &&
                     source_keys.size(3) == d && source_keys.stride(3) == 1 &&
                     source_values.sizes() == source_keys.sizes() && source_values.strides() == source_keys.strides() &&
                     source_keys.scalar_type() == at::kFloat && source_values.scalar_type() == at::kFloat,
                 "DraftLayer.step: source keys and values 1 x H x S x d float32, alike");
-    const int64_t S = source_keys.size(2);
-    TORCH_CHECK(!source_mask || (source_mask->numel() == S && source_mask->scalar_type() == at::kFloat &&
-                                 source_mask->device().is_cpu()),
+    TORCH_CHECK(!source_mask || (source_mask->numel() == source_keys.size(2) &&
+                                 source_mask->scalar_type() == at::kFloat && source_mask->device().is_cpu()),
                 "DraftLayer.step: an additive float32 source mask of S");
-    const at::Tensor mask = source_mask ? source_mask->contiguous() : at::Tensor();  // kept while read
     const int64_t* ids = tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; ++r)
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < table_.size(0), "DraftLayer.step: a token outside the vocabulary");
+  }
+
+  // The step itself, on checked arguments: entries (features at a row stride, ids) written
+  // at columns start.. of the cache, the last one's drafted features into out (C).
+  void run(const float* features, int64_t feature_stride, const int64_t* ids, int64_t m, float* columns,
+           int64_t start, const at::Tensor& source_keys, const at::Tensor& source_values, const at::Tensor& mask,
+           float* drafted) {
+    const int64_t C = table_.size(1), H = heads_, d = C / H, S = source_keys.size(2);
     const float* table = table_.data_ptr<float>();
-    const int64_t V = table_.size(0);
     // The entries: z = f · W_fᵀ + table[x], their norms, their q, k and v in the cache.
     std::vector<float>& z = buffer(0, m * C);
     std::vector<float>& normed = buffer(1, m * C);
-    for (int64_t r = 0; r < m; ++r) {
-      TORCH_CHECK(ids[r] >= 0 && ids[r] < V, "DraftLayer.step: a token outside the vocabulary");
-      std::copy(table + ids[r] * C, table + (ids[r] + 1) * C, z.data() + r * C);
-    }
-    products_[0].apply(features.data_ptr<float>(), features.stride(0), m, z.data(), C, false, z.data(), C);
+    for (int64_t r = 0; r < m; ++r) std::copy(table + ids[r] * C, table + (ids[r] + 1) * C, z.data() + r * C);
+    products_[0].apply(features, feature_stride, m, z.data(), C, false, z.data(), C);
     for (int64_t r = 0; r < m; ++r)
       lean::norm_row<float>(z.data() + r * C, normed.data() + r * C, nullptr, nullptr, C, eps_[0]);
-    float* columns = cache.data_ptr<float>();
     products_[1].apply(normed.data(), C, m, nullptr, 0, false, columns + start * 3 * C, 3 * C);
     // The last entry's layer.
     float* zl = z.data() + (m - 1) * C;
@@ -147,13 +202,10 @@ class DraftLayer {
     products_[5].apply(nl, C, 1, nullptr, 0, true, hidden.data(), products_[5].N);
     products_[6].apply(hidden.data(), products_[5].N, 1, nullptr, 0, false, out.data(), C);
     lean::residual_row<float>(zl, out.data(), nl, nullptr, nullptr, C, eps_[3]);
-    at::Tensor drafted = at::empty({1, C}, features.options());
-    const float* last = features.data_ptr<float>() + (m - 1) * features.stride(0);
-    products_[7].apply(nl, C, 1, last, C, false, drafted.data_ptr<float>(), C);
-    return drafted;
+    const float* last = features + (m - 1) * feature_stride;
+    products_[7].apply(nl, C, 1, last, C, false, drafted, C);
   }
 
- private:
   std::vector<float>& buffer(int i, int64_t size) {
     buffers_[i].resize(size);
     return buffers_[i];
@@ -163,7 +215,7 @@ class DraftLayer {
   std::vector<Int8Weights> products_;
   int64_t heads_;
   std::vector<double> eps_;
-  std::vector<float> buffers_[5], score_;
+  std::vector<float> buffers_[8], score_;
   std::vector<char> allowed_;
 };
 
@@ -171,5 +223,6 @@ void bind_draft_layer(pybind11::module& m) {
   pybind11::class_<DraftLayer>(m, "DraftLayer")
       .def(pybind11::init<at::Tensor, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<at::Tensor>&, int64_t, std::vector<double>>())
-      .def("step", &DraftLayer::step, "a batch-1 draft step: entries in the cache, the last one's layer");
+      .def("step", &DraftLayer::step, "a batch-1 draft step: entries in the cache, the last one's layer")
+      .def("chain", &DraftLayer::chain, "a batch-1 chain's proposals: steps and their best tokens");
 }
