@@ -101,6 +101,23 @@ def test_a_later_step_is_one_compiled_call_close_to_the_python_steps(data_dir, m
         assert torch.allclose(cache, heads.state.cache, atol=1e-4)
 
 
+def propose_after_kept(data_dir, seed, features, block, kept, width, log_probs):
+    """A fresh k=8 draft's heads, and its proposals of `width` at batch 1 after a block of
+    8 (features 1 x 8 x C, block 1 x 8) of which `kept` positions were accepted (0: a
+    first block)."""
+    task, model = reduced_model(data_dir, 8, seed)
+    heads = model.decoder.heads
+    sample = random_sample(task, bsz=1, seed=seed)
+    heads.state = None
+    with torch.no_grad():
+        encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
+        if kept:
+            heads.propose(features[:, 0], torch.tensor([5]), 8, 0, 1, encoder_out, log_probs=log_probs)
+            heads.keep(torch.arange(8)[None], torch.tensor([kept]), features, block)
+        return heads, heads.propose(features[:, max(kept, 1) - 1], torch.tensor([6]), width, 0, 1, encoder_out,
+                                    log_probs=log_probs)
+
+
 @pytest.mark.parametrize("kept", [3, 7])
 def test_a_first_step_feeding_waiting_positions_is_one_compiled_call(data_dir, monkeypatch, kept):
     """Accepted positions kept after a block: the next first step feeds them (their entries in
@@ -113,19 +130,10 @@ def test_a_first_step_feeding_waiting_positions_is_one_compiled_call(data_dir, m
         return Recorded(compiled(weights), calls)
     compiled = draft_step.compiled_layer
     g = torch.Generator().manual_seed(4)
-    features, block, path = 3 * torch.randn(1, 8, 16, generator=g), torch.randint(4, 28, (1, 8), generator=g), \
-        torch.arange(8)[None]
+    features, block = 3 * torch.randn(1, 8, 16, generator=g), torch.randint(4, 28, (1, 8), generator=g)
     for layer in (recorded, lambda weights: None):
         monkeypatch.setattr(draft_step, "compiled_layer", layer)
-        task, model = reduced_model(data_dir, 8, 4)
-        heads = model.decoder.heads
-        sample = random_sample(task, bsz=1, seed=4)
-        heads.state = None
-        with torch.no_grad():
-            encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
-            heads.propose(features[:, 0], torch.tensor([5]), 8, 0, 1, encoder_out)
-            heads.keep(path, torch.tensor([kept]), features, block)
-            proposals, lprobs = heads.propose(features[:, kept - 1], torch.tensor([6]), 4, 0, 1, encoder_out)
+        heads, (proposals, lprobs) = propose_after_kept(data_dir, 4, features, block, kept, 4, True)
         results.append((proposals, lprobs, heads.state.cache.clone(), heads.state.longest))
     assert calls == [1] * 7 + [kept, 1, 1]  # the fresh chain's seven; the first step's entries, two later steps
     (tokens, lprobs, cache, longest), (python_tokens, python_lprobs, python_cache, python_longest) = results
@@ -276,17 +284,7 @@ def test_a_compiled_chain_is_the_python_loop_of_compiled_steps(data_dir, monkeyp
     for chained in (True, False):
         if not chained:
             monkeypatch.setattr(DraftDecoder, "compiled_chain", lambda *args: None)
-        task, model = reduced_model(data_dir, 8, 5)
-        heads = model.decoder.heads
-        sample = random_sample(task, bsz=1, seed=5)
-        heads.state = None
-        with torch.no_grad():
-            encoder_out = model.encoder(sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"])
-            if kept:
-                heads.propose(features[:, 0], torch.tensor([5]), 8, 0, 1, encoder_out, log_probs=False)
-                heads.keep(torch.arange(8)[None], torch.tensor([kept]), features, block)
-            proposals, lprobs = heads.propose(features[:, max(kept, 1) - 1], torch.tensor([6]), width, 0, 1,
-                                              encoder_out, log_probs=False)
+        heads, (proposals, lprobs) = propose_after_kept(data_dir, 5, features, block, kept, width, False)
         state = heads.state
         results.append((proposals, state.cache.clone(), state.root.clone(), state.length.clone(), state.longest))
         assert lprobs is None and proposals.shape == (1, width - 1, 1)
