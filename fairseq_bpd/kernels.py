@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 VARIABLE = "FAIRSEQ_BPD_KERNELS"
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("lean.cpp", "int8_product.cpp", "draft_step.cpp", "block_pass.cpp")]
+SOURCES = [os.path.join(CSRC, name) for name in ("lean.cpp", "few_rows.cpp", "draft_step.cpp", "block_pass.cpp")]
 HEADERS = [os.path.join(CSRC, "lean.h")]
 DTYPES = (torch.float32, torch.float64)
 

@@ -1,6 +1,11 @@
 """Decoding's products x · W + b, on a weight arranged once (W C x N, contiguous).
 
-Two CPU kernels compute them, and which is faster for a block's few rows depends on the
+At a few rows (up to COMPILED_MOST_ROWS) in float32 on a CPU, the compiled kernel's product
+(kernels.py, csrc/few_rows.cpp) serves where it is built: it reads a copy of W packed for it
+(`blocks`), split between the cores and fetched ahead, which was faster here than either
+library's kernel below at one row to sixteen.
+
+Otherwise two CPU kernels compute them, and which is faster depends on the
 machine. oneDNN's linear reads a weight it packed once (the kernel torch.compile uses on
 CPUs after freezing), so a block of several rows costs little more than one; where MKL's
 addmm packs W into its own layout on every call, that costs more than the product itself.
@@ -35,6 +40,30 @@ PACKING_ROWS = 32
 # does not beat (measured; not timed); from this size (an output projection) one row is
 # timed too (packed_pays).
 ONE_ROW_PACKED_SIZE = 1 << 20
+
+
+# Past this many rows a product's weight is read once for many of them and the libraries'
+# blocked kernels catch up (measured: the compiled kernel reads it once per four rows).
+COMPILED_MOST_ROWS = 16
+PACKED_OUTPUTS = 64  # csrc/few_rows.cpp's block of outputs
+
+
+def blocked(weight):
+    """weight C x N as csrc/few_rows.cpp reads it: N/64 blocks of C x 64 (zero columns past
+    N), contiguous: output n's weight for channel c at [n / 64][c][n % 64]."""
+    blocks = -(-weight.size(1) // PACKED_OUTPUTS)  # N / 64, rounded up
+    padded = F.pad(weight, (0, blocks * PACKED_OUTPUTS - weight.size(1)))
+    return padded.view(weight.size(0), blocks, PACKED_OUTPUTS).transpose(0, 1).contiguous()
+
+
+def compiled_kernel(weight, x):
+    """The compiled kernels where their product serves x (M x C) by `weight`: float32 on a
+    CPU, at most COMPILED_MOST_ROWS rows with contiguous channels, no autograd; else None."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or x.size(0) > COMPILED_MOST_ROWS or x.stride(1) != 1
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None
+    return kernels.module()
 
 
 def packable(weight):
@@ -128,6 +157,7 @@ class Product(tuple):
         # $FAIRSEQ_BPD_PACKED=1: the packed copy wherever it applies, untimed (runs that must
         # round alike every time); 0: never; unset: the kernel timed faster (packed_pays)
         self.timed = os.environ.get(PACKED_VARIABLE) != "1"
+        self.compiled = None  # blocked(W), for the compiled kernel: made on its first product
         return self
 
     def __reduce__(self):
@@ -139,6 +169,9 @@ class Product(tuple):
     def __call__(self, x, out=None):
         """x M x C (rows at any stride) -> M x N, into `out` where given."""
         weight, bias = self
+        kern = compiled_kernel(weight, x)
+        if kern is not None:
+            return kern.float_product(x, self.blocks(), weight.size(1), bias, None, False, out)
         if not self.packs(x):
             return torch.addmm(bias, x, weight) if out is None else torch.addmm(bias, x, weight, out=out)
         y = self.on_packed(x)
@@ -149,11 +182,20 @@ class Product(tuple):
         asked packs(x) already (it is on every product: asked once)."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self[1], activation, [], "")
 
+    def blocks(self):
+        """W as the compiled kernel reads it (blocked), made once."""
+        if self.compiled is None:
+            self.compiled = blocked(self[0].detach())
+        return self.compiled
+
     def relu(self, x):
-        """relu(x · W + bias), x M x C: on the packed copy oneDNN applies it inside its product
-        (bit for bit, one operation fewer). Not so the residual sums: oneDNN's product that
-        adds a matrix (mkldnn._linear_pointwise.binary) measured slower in the block pass than
-        the product and an add."""
+        """relu(x · W + bias), x M x C: the compiled kernel and oneDNN's packed copy apply it
+        inside their product (bit for bit, one operation fewer). Not so the residual sums:
+        oneDNN's product that adds a matrix (mkldnn._linear_pointwise.binary) measured slower
+        in the block pass than the product and an add."""
+        kern = compiled_kernel(self[0], x)
+        if kern is not None:
+            return kern.float_product(x, self.blocks(), self[0].size(1), self[1], None, True)
         if self.packs(x):
             return self.on_packed(x, "relu")
         return torch.relu(torch.addmm(self[1], x, self[0]))
@@ -180,7 +222,6 @@ INT8_ROWS = 16
 # Past this many rows a product reads its weight once for all of them, and oneDNN's packed
 # float32 product is as fast or faster (measured): Int8Product runs a Product there.
 INT8_MOST_ROWS = 4
-PACKED_OUTPUTS = 64  # csrc/int8_product.cpp's block of outputs
 
 
 def reducible(weight):
@@ -201,7 +242,7 @@ class Int8Product(tuple):
     (symmetric, its largest magnitude at 127): at a row or a few a product reads its weight
     once per row, so a quarter of float32's bytes is most of its cost saved.
 
-    The compiled kernel (kernels.py, csrc/int8_product.cpp) multiplies float32 rows by the
+    The compiled kernel (kernels.py, csrc/few_rows.cpp) multiplies float32 rows by the
     int8 weights, exactly converted, into float32 sums, from a copy packed for it (`packed`:
     N/64 blocks of C x 64, zero columns past N); it adds a residual and applies relu in the
     same call (`add`, `relu`). Where it does not serve, torch's weight-only kernel runs
@@ -216,9 +257,7 @@ class Int8Product(tuple):
         scales = weight.abs().amax(0).clamp_min(torch.finfo(weight.dtype).tiny) / INT8_MAX  # N
         self.quantized = (weight / scales).round_().to(torch.int8).t().contiguous()  # N x C
         self.scales, self.scales32 = scales.bfloat16(), scales.float().contiguous()
-        blocks = -(-weight.size(1) // PACKED_OUTPUTS)  # N / 64, rounded up
-        padded = F.pad(self.quantized, (0, 0, 0, blocks * PACKED_OUTPUTS - weight.size(1)))
-        self.packed = padded.view(blocks, PACKED_OUTPUTS, -1).transpose(1, 2).contiguous()  # N/64 x C x 64
+        self.packed = blocked(self.quantized.t())  # N/64 x C x 64
         self.full = Product(weight, weight.new_zeros(weight.size(1)) if bias is None else bias)
         return self
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .block_layer import attend
-from .product import Product
+from .product import COMPILED_MOST_ROWS, Product
 
 
 def transposed(*linears, scale=None):
@@ -109,7 +109,7 @@ def compiled_block_pass(kern, layers):
             p[0].dtype != torch.float32 or p[0].device.type != "cpu" for layer in products for p in layer):
         return False
     norms = [(w["self_norm"], w["cross_norm"], w["final_norm"]) for w in layers]
-    return kern.BlockPass([[t.contiguous() for p in layer for t in p] for layer in products],
+    return kern.BlockPass([[t for p in layer for t in (p.blocks(), p[1])] for layer in products],
                           [[t for n in layer for t in n[1:3]] for layer in norms],
                           [[n[3] for n in layer] for layer in norms],
                           [w["pre"] for w in layers], [w["heads"] for w in layers])
@@ -155,8 +155,8 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
     rows, n, channels = x.shape
     x = x.view(rows * n, channels)
     kern = kernels.serve(x)
-    if (rows == 1 and cache.equal and kern is not None and x.dtype == torch.float32 and alignment_layer is None
-            and encoder_out is not None and lean.block_pass(kern)):
+    if (rows == 1 and cache.equal and n <= COMPILED_MOST_ROWS and kern is not None and x.dtype == torch.float32
+            and alignment_layer is None and encoder_out is not None and lean.block_pass(kern)):
         return compiled(lean, cache, x, encoder_out, padding_mask, mask).view(rows, n, channels), None
     attn = None
     for i, w in enumerate(lean.layers):

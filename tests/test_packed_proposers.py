@@ -1,6 +1,8 @@
 """The proposal heads' products on weights packed once (heads_step: product.Product, Plus):
 within float32 rounding of the heads' modules where they run packed, bit for bit the
-arranged weights' addmms in float64 and at batch 1, and decoding still fairseq's greedy."""
+arranged weights' addmms in float64 and at batch 1, and decoding still fairseq's greedy.
+The compiled kernels are off here (libraries_only): at a few rows their product would
+serve instead of oneDNN's."""
 import collections
 
 import pytest
@@ -11,7 +13,7 @@ from test_chained import chained
 from test_generator import assert_same, blockwise, greedy
 from test_lean_iteration import Operations
 
-from fairseq_bpd import heads_step, product
+from fairseq_bpd import heads_step, kernels, product
 from fairseq_bpd.heads import decoding_logits
 from fairseq_bpd.heads_step import ChainWeights, HeadWeights
 from fairseq_bpd.product import packing_applies
@@ -19,6 +21,11 @@ from fairseq_bpd.product import packing_applies
 PACKED = "mkldnn._linear_pointwise.default"
 # The links' hidden width below the features' (relu: a later head's logits through W2 P) and above.
 HIDDEN = {"narrow": ("--head-ffn-dim", "8"), "wide": ()}
+
+
+@pytest.fixture(autouse=True)
+def libraries_only(monkeypatch):
+    monkeypatch.setenv(kernels.VARIABLE, "0")
 
 
 def pack_everywhere(monkeypatch):

@@ -1,15 +1,24 @@
-"""product.Product: decoding's x · W + b, by oneDNN's packed weight where it applies (float32
-on a CPU) and was timed faster, MKL's addmm otherwise; the two agree to float32 rounding."""
+"""product.Product: decoding's x · W + b, by the compiled kernel at a few float32 rows where it
+is built, else by oneDNN's packed weight where it applies (float32 on a CPU) and was timed
+faster, MKL's addmm otherwise; they agree to float32 rounding. The libraries' tests turn the
+compiled kernels off (library_kernels)."""
 import time
 
 import pytest
 import torch
 from test_lean_iteration import Operations
 
+from fairseq_bpd import kernels
 from fairseq_bpd import product as product_module
-from fairseq_bpd.product import ONE_ROW_PACKED_SIZE, PACKED_VARIABLE, Product, packing_applies
+from fairseq_bpd.product import COMPILED_MOST_ROWS, ONE_ROW_PACKED_SIZE, PACKED_VARIABLE, Product, packing_applies
 
 real_packed_pays = product_module.packed_pays  # the conftest puts a stand-in in its place
+
+
+@pytest.fixture
+def library_kernels(monkeypatch):
+    """The compiled kernels off: every row count takes the libraries' kernels."""
+    monkeypatch.setenv(kernels.VARIABLE, "0")
 
 
 def weights(rows, columns, dtype=torch.float32, seed=0):
@@ -35,7 +44,7 @@ def test_a_packed_product_is_the_addmm_to_float32_rounding(rows, size):
     assert torch.allclose(product(strided), torch.addmm(bias, strided, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_by_a_small_weight_and_float64_are_addmm_bit_for_bit():
+def test_one_row_by_a_small_weight_and_float64_are_addmm_bit_for_bit(library_kernels):
     weight, bias = weights(64, 96)
     assert weight.numel() < ONE_ROW_PACKED_SIZE
     x = torch.randn(1, 64)
@@ -99,7 +108,7 @@ def test_rows_share_a_timing_each_up_to_eight_then_by_powers_of_two():
 
 
 @pytest.mark.parametrize("packed_faster", [False, True])
-def test_the_timed_kernel_serves_its_shape_rows_and_threads_timed_once(packed_faster, monkeypatch):
+def test_the_timed_kernel_serves_its_shape_rows_and_threads_timed_once(packed_faster, monkeypatch, library_kernels):
     """packed_pays (the conftest's stand-in put aside) times a (shape, rows, threads) on its
     first product and keeps the answer: the product then runs that kernel alone, and another
     row count is timed anew."""
@@ -129,7 +138,7 @@ def test_the_timed_kernel_serves_its_shape_rows_and_threads_timed_once(packed_fa
     assert races == [2, 2] and ((64, 96), 32, torch.get_num_threads()) in product_module.PACKED_PAYS
 
 
-def test_the_real_timing_decides_and_either_kernel_gives_the_product(monkeypatch):
+def test_the_real_timing_decides_and_either_kernel_gives_the_product(monkeypatch, library_kernels):
     """Timed for real on this machine: whichever kernel won, the product is x · W + b."""
     monkeypatch.setattr(product_module, "packed_pays", real_packed_pays)
     monkeypatch.setattr(product_module, "PACKED_PAYS", {})
@@ -162,3 +171,57 @@ def test_many_rows_a_new_thread_count_and_the_variable_set_to_one(monkeypatch):
         torch.set_num_threads(threads)
     monkeypatch.setenv(PACKED_VARIABLE, "1")
     assert Product(weight, bias).packs(torch.randn(2, 64)) and races == [2, 2]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, COMPILED_MOST_ROWS])
+@pytest.mark.parametrize("size", [(64, 96), (256, 1000)])
+def test_a_few_float32_rows_take_the_compiled_product(rows, size):
+    """Up to COMPILED_MOST_ROWS rows: the compiled kernel's product on the packed copy (the
+    float64 product to float32 rounding; into out, rows at a stride, relu inside it), bit for
+    bit the kernel called directly."""
+    kern = kernels.module()
+    assert kern is not None  # built on this machine (and CI's): a fallback would hide a failure
+    weight, bias = weights(*size)
+    product = Product(weight, bias)
+    x = torch.randn(rows, 2 * size[0])[:, size[0]:]  # rows at a stride
+    expected = (x.double() @ weight.double() + bias.double())
+    got = product(x)
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, kern.float_product(x, product.blocks(), size[1], bias))
+    assert product.compiled is not None and product.compiled.shape == (-(-size[1] // 64), size[0], 64)
+    out = torch.full((rows, size[1]), float("nan"))
+    assert product(x, out=out) is out and torch.equal(out, got)
+    assert torch.equal(product.relu(x), torch.relu(got))
+
+
+def test_more_rows_grad_and_float64_take_the_libraries(monkeypatch):
+    """Past COMPILED_MOST_ROWS rows, under autograd and in float64 no packed copy for the
+    compiled kernel is made: the libraries' product (addmm, made the only one here)."""
+    monkeypatch.setenv(PACKED_VARIABLE, "0")
+    weight, bias = weights(64, 96)
+    product = Product(weight, bias)
+    x = torch.randn(COMPILED_MOST_ROWS + 1, 64)
+    assert torch.equal(product(x), torch.addmm(bias, x, weight)) and product.compiled is None
+    grad = torch.randn(2, 64, requires_grad=True)
+    assert torch.equal(product(grad), torch.addmm(bias, grad, weight)) and product.compiled is None
+    weight, bias = weights(64, 96, dtype=torch.float64)
+    product = Product(weight, bias)
+    assert torch.equal(product(x.double()[:2]), torch.addmm(bias, x.double()[:2], weight)) and product.compiled is None
+
+
+def test_the_compiled_product_refuses_what_it_would_misread():
+    kern = kernels.module()
+    weight, bias = weights(64, 96)
+    product = Product(weight, bias)
+    x, packed = torch.randn(2, 64), product.blocks()
+    with pytest.raises(RuntimeError, match="float32"):
+        kern.float_product(x, packed.double(), 96, bias)
+    with pytest.raises(RuntimeError, match="packed"):
+        kern.float_product(x, packed, 96 + 64, bias)  # a block short
+    with pytest.raises(RuntimeError, match="bias"):
+        kern.float_product(x, packed, 96, bias[:90])
+    with pytest.raises(RuntimeError, match="x M x C"):
+        kern.float_product(torch.randn(2, 64).t(), packed, 96, bias)
+    with pytest.raises(RuntimeError, match="overlap"):
+        out = torch.empty(2, 96)
+        kern.float_product(out[:, :64], packed, 96, bias, None, False, out)

@@ -3,12 +3,12 @@
 // At batch 1 a block pass is some forty operations over three layers, and their products
 // are a few microseconds each: from Python each operation pays as much again in dispatch
 // and argument parsing. This is static_pass's loop on the same arranged weights
-// (LeanWeights) and the same kernels, called from C++: each product MKL's addmm (which
-// static_pass's Product runs at a few rows wherever its race did not pick oneDNN's packed
-// copy), attention lean.cpp's attend, each residual sum and norm lean.cpp's residual_norm,
-// a pre-norm layer's first norm torch's layer_norm; so where Product runs addmm the two
-// are bit for bit the same function. Float32 on the CPU, relu feed-forwards, every layer
-// with encoder attention, no attention weights asked for: static_pass decides.
+// (LeanWeights) and the same kernels, called from C++: each product few_rows.cpp's on the
+// Product's packed copy (as Product runs it at a few rows), attention lean.cpp's attend,
+// each residual sum and norm lean.cpp's residual_norm, a pre-norm layer's first norm
+// torch's layer_norm; so the two are bit for bit the same function. Float32 on the CPU,
+// relu feed-forwards, every layer with encoder attention, no attention weights asked for,
+// at most COMPILED_MOST_ROWS rows: static_pass decides.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -24,11 +24,15 @@ struct Norm {  // a LayerNorm as torch.layer_norm reads it
   double eps = 1e-5;
 };
 
+struct Weights {  // a Product's packed copy (N/64 x C x 64 float32: product.blocked) and its N biases
+  at::Tensor packed, bias;
+  int64_t C = 0, N = 0;
+};
+
 struct Layer {
   bool pre = false;
   int64_t heads = 1;
-  at::Tensor qkv, qkv_bias, out, out_bias, query, query_bias, source_out, source_out_bias, fc1, fc1_bias, fc2,
-      fc2_bias;  // C x N weights (static_pass.transposed) and their N biases
+  Weights qkv, out, query, source_out, fc1, fc2;
   Norm self_norm, cross_norm, final_norm;
 };
 
@@ -38,17 +42,25 @@ at::Tensor split_heads(const at::Tensor& x, int64_t n, int64_t heads, int64_t st
   return x.as_strided({1, heads, n, d}, {n * step, d, step, 1}, x.storage_offset() + start);
 }
 
-at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  return at::addmm(bias, x, weight);
+// x (n x C, channels contiguous) · W + bias (relu) into out (n x N, channels contiguous).
+void product_into(const at::Tensor& x, const Weights& w, at::Tensor& out, bool relu = false) {
+  lean::float_rows(x.data_ptr<float>(), x.stride(0), x.size(0), w.packed.data_ptr<float>(), w.C, w.N,
+                   w.bias.data_ptr<float>(), nullptr, 0, relu, out.data_ptr<float>(), out.stride(0));
+}
+
+at::Tensor product(const at::Tensor& x, const Weights& w, bool relu = false) {
+  at::Tensor out = at::empty({x.size(0), w.N}, x.options());
+  product_into(x, w, out, relu);
+  return out;
 }
 
 }  // namespace
 
 class BlockPass {
  public:
-  // Per layer: products (qkv, out, query, source_out, fc1, fc2: weight, bias each: twelve
-  // tensors), norms (self, cross, final: weight, bias each: six, None where none), eps
-  // (three), pre and heads.
+  // Per layer: products (qkv, out, query, source_out, fc1, fc2: each a Product's packed
+  // copy and its bias: twelve tensors), norms (self, cross, final: weight, bias each: six,
+  // None where none), eps (three), pre and heads.
   BlockPass(const std::vector<std::vector<at::Tensor>>& products,
             const std::vector<std::vector<std::optional<at::Tensor>>>& norms, const std::vector<std::vector<double>>& eps,
             const std::vector<bool>& pre, const std::vector<int64_t>& heads) {
@@ -60,26 +72,26 @@ class BlockPass {
       const auto& p = products[i];
       TORCH_CHECK(p.size() == 12 && norms[i].size() == 6 && eps[i].size() == 3,
                   "BlockPass: twelve product tensors, six norm tensors and three eps a layer");
-      for (const auto& t : p)
-        TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous(),
-                    "BlockPass: float32 weights and biases on the CPU, contiguous");
       Layer w;
       w.pre = pre[i], w.heads = heads[i];
-      w.qkv = p[0], w.qkv_bias = p[1], w.out = p[2], w.out_bias = p[3], w.query = p[4], w.query_bias = p[5];
-      w.source_out = p[6], w.source_out_bias = p[7], w.fc1 = p[8], w.fc1_bias = p[9], w.fc2 = p[10], w.fc2_bias = p[11];
-      const int64_t C = w.qkv.size(0);
-      TORCH_CHECK(w.qkv.dim() == 2 && w.qkv.size(1) == 3 * C && w.heads > 0 && C % w.heads == 0,
-                  "BlockPass: qkv C x 3C, C a multiple of the heads");
-      for (const at::Tensor* t : {&w.out, &w.query, &w.source_out})
-        TORCH_CHECK(t->dim() == 2 && t->size(0) == C && t->size(1) == C, "BlockPass: attention products C x C");
-      TORCH_CHECK(w.fc1.dim() == 2 && w.fc1.size(0) == C && w.fc2.dim() == 2 && w.fc2.size(0) == w.fc1.size(1) &&
-                      w.fc2.size(1) == C,
-                  "BlockPass: fc1 C x F, fc2 F x C");
-      TORCH_CHECK(i == 0 || C == layers_[0].qkv.size(0), "BlockPass: every layer of one width");
-      Norm* targets[3] = {&w.self_norm, &w.cross_norm, &w.final_norm};
+      Weights* targets[6] = {&w.qkv, &w.out, &w.query, &w.source_out, &w.fc1, &w.fc2};
+      for (int j = 0; j < 6; ++j) {
+        const at::Tensor &packed = p[2 * j], &bias = p[2 * j + 1];
+        TORCH_CHECK(packed.dim() == 3, "BlockPass: product ", j, " is not a packed copy (N/64 x C x 64)");
+        lean::check_packed_weights(packed, nullptr, &bias, packed.size(1), bias.numel(), "BlockPass");
+        *targets[j] = Weights{packed, bias, packed.size(1), bias.numel()};
+      }
+      const int64_t C = w.qkv.C;
+      TORCH_CHECK(w.qkv.N == 3 * C && w.heads > 0 && C % w.heads == 0, "BlockPass: qkv C x 3C, C a multiple of the heads");
+      for (const Weights* t : {&w.out, &w.query, &w.source_out})
+        TORCH_CHECK(t->C == C && t->N == C, "BlockPass: attention products C x C");
+      TORCH_CHECK(w.fc1.C == C && w.fc2.C == w.fc1.N && w.fc2.N == C, "BlockPass: fc1 C x F, fc2 F x C");
+      TORCH_CHECK(i == 0 || C == layers_[0].qkv.C, "BlockPass: every layer of one width");
+      Norm* norm_targets[3] = {&w.self_norm, &w.cross_norm, &w.final_norm};
       for (int j = 0; j < 3; ++j) {
-        targets[j]->weight = norms[i][2 * j], targets[j]->bias = norms[i][2 * j + 1], targets[j]->eps = eps[i][j];
-        for (const auto* t : {&targets[j]->weight, &targets[j]->bias})
+        Norm* target = norm_targets[j];
+        target->weight = norms[i][2 * j], target->bias = norms[i][2 * j + 1], target->eps = eps[i][j];
+        for (const auto* t : {&target->weight, &target->bias})
           TORCH_CHECK(!*t || ((*t)->numel() == C && (*t)->scalar_type() == at::kFloat && (*t)->is_contiguous()),
                       "BlockPass: layer norm weights and biases of C float32, contiguous");
       }
@@ -96,7 +108,7 @@ class BlockPass {
   at::Tensor run(const at::Tensor& input, at::Tensor& kv, int64_t longest, const std::optional<at::Tensor>& mask,
                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                  const std::optional<at::Tensor>& source_mask) {
-    const int64_t L = static_cast<int64_t>(layers_.size()), C = layers_[0].qkv.size(0);
+    const int64_t L = static_cast<int64_t>(layers_.size()), C = layers_[0].qkv.C;
     TORCH_CHECK(input.dim() == 2 && input.size(1) == C && input.scalar_type() == at::kFloat && input.is_contiguous() &&
                     input.device().is_cpu() && input.size(0) > 0,
                 "BlockPass.run: x n x C float32 on the CPU, contiguous");
@@ -121,19 +133,18 @@ class BlockPass {
       at::Tensor y = w.pre ? layer_norm(x, w.self_norm) : x;
       at::Tensor columns = kv.select(0, i).select(0, 0);  // T x 3C
       at::Tensor qkv = columns.narrow(0, longest, n);
-      at::addmm_out(qkv, w.qkv_bias, y, w.qkv);
+      product_into(y, w.qkv, qkv);
       const int64_t d = C / w.heads, width = longest + n, step = columns.stride(0);
       at::Tensor q = split_heads(qkv, n, w.heads, 0, C);
       at::Tensor k = columns.as_strided({1, w.heads, width, d}, {0, d, step, 1}, columns.storage_offset() + C);
       at::Tensor v = columns.as_strided({1, w.heads, width, d}, {0, d, step, 1}, columns.storage_offset() + 2 * C);
-      y = product(attended(q, k, v, mask, n, C), w.out, w.out_bias);
+      y = product(attended(q, k, v, mask, n, C), w.out);
       std::tie(x, y) = residual(x, y, w.self_norm, &w.cross_norm, w.pre);
       // Encoder attention, then the feed-forward.
-      q = split_heads(product(y, w.query, w.query_bias), n, w.heads, 0, C);
-      y = product(attended(q, keys[i], values[i], source_mask, n, C), w.source_out, w.source_out_bias);
+      q = split_heads(product(y, w.query), n, w.heads, 0, C);
+      y = product(attended(q, keys[i], values[i], source_mask, n, C), w.source_out);
       std::tie(x, y) = residual(x, y, w.cross_norm, &w.final_norm, w.pre);
-      at::Tensor hidden = product(y, w.fc1, w.fc1_bias);
-      y = product(hidden.relu_(), w.fc2, w.fc2_bias);
+      y = product(product(y, w.fc1, true), w.fc2);
       std::tie(x, y) = residual(x, y, w.final_norm, nullptr, w.pre);
     }
     return x;

@@ -23,7 +23,7 @@
 
 namespace {
 
-// Everything here runs on the calling thread (only int8_product.cpp's products are split
+// Everything here runs on the calling thread (only few_rows.cpp's products are split
 // between threads): work large enough to pay for threads goes to torch's own kernels, past
 // these sizes.
 // Attention of more query-key products than this (times d) goes to torch's fused kernel,
@@ -270,10 +270,13 @@ std::vector<at::Tensor> exact_chain(const at::Tensor& lprobs, const at::Tensor& 
   return {kept, candidates, values, added, finished, at::scalar_tensor(any_doubt, block.options().dtype(at::kBool))};
 }
 
-// int8_product.cpp
+// few_rows.cpp
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& add, bool relu,
                         std::optional<at::Tensor> out);
+at::Tensor float_product(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& add, bool relu,
+                         std::optional<at::Tensor> out);
 
 // draft_step.cpp, block_pass.cpp
 void bind_draft_layer(pybind11::module& m);
@@ -285,6 +288,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_norm", &residual_norm, "y = x + y, then its layer norm");
   m.def("int8_product", &int8_product, "x · Wᵀ · scales (+ bias) (+ add) (relu) on packed int8 weights",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
+        py::arg("relu") = false, py::arg("out") = py::none());
+  m.def("float_product", &float_product, "x · W (+ bias) (+ add) (relu) on packed float32 weights", py::arg("x"),
+        py::arg("packed"), py::arg("outputs"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
         py::arg("relu") = false, py::arg("out") = py::none());
   bind_draft_layer(m);
   bind_block_pass(m);

@@ -1,4 +1,4 @@
-// What the compiled kernels share (lean.cpp, int8_product.cpp, draft_step.cpp, block_pass.cpp).
+// What the compiled kernels share (lean.cpp, few_rows.cpp, draft_step.cpp, block_pass.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -96,17 +96,24 @@ void attend_query(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key
   }
 }
 
-// Refuses (naming `who`) what is not an int8 product's packed copy for C input channels:
-// packed N/64 x C x 64 int8, N float32 scales, a bias of N float32 or none, on the CPU.
+// Refuses (naming `who`) what is not a product's packed copy for C input channels and N
+// outputs: packed N/64 x C x 64, int8 with N float32 scales or float32 (scales null), a
+// bias of N float32 or none, on the CPU.
+void check_packed_weights(const at::Tensor& packed, const at::Tensor* scales, const at::Tensor* bias, int64_t C,
+                          int64_t N, const char* who);
 void check_int8_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor* bias, int64_t C,
                         const char* who);
 
 // out (M x N, row stride out_stride) = x (M x C, row stride x_stride) · Wᵀ · scales
-// (+ bias) (+ add) (relu), W int8 packed as int8_product's (N/64 blocks of C x 64); any M,
+// (+ bias) (+ add) (relu), W int8 packed as few_rows.cpp's (N/64 blocks of C x 64); any M,
 // four rows at a time; add may be out itself; bias and add may be null.
 void int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
                const float* scales, const float* bias, const float* add, int64_t add_stride, bool relu, float* out,
                int64_t out_stride);
+
+// The same with float32 weights packed alike (no scales).
+void float_rows(const float* x, int64_t x_stride, int64_t M, const float* packed, int64_t C, int64_t N,
+                const float* bias, const float* add, int64_t add_stride, bool relu, float* out, int64_t out_stride);
 
 }  // namespace lean
 
