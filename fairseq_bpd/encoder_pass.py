@@ -27,7 +27,8 @@ from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerEncoderLayer, TransformerEncoderLayerBase
 
 from .block_layer import uncalled_problem
-from .static_pass import norm_params, self_attention_and_feed_forward
+from . import kernels
+from .static_pass import feed_forward_hidden, norm_params, residual, self_attention_and_feed_forward
 
 logger = logging.getLogger(__name__)
 INPUTS = {"src_tokens", "src_lengths", "prev_output_tokens"}  # what fairseq's encoder is given in decoding
@@ -190,8 +191,9 @@ def lean_encode(w, src_tokens):
         mask = x.new_zeros(padding.shape).masked_fill_(padding, -float("inf"))[:, None, None]  # B x 1 x 1 x S
     channels = x.size(-1)
     x = x.reshape(length * bsz, channels)
+    kern = kernels.serve(x)
     for layer in w.layers:
-        x = encoder_layer(layer, x, bsz, length, mask)
+        x = encoder_layer(layer, x, bsz, length, mask, kern)
     if w.final_norm is not None:
         x = torch.layer_norm(x, *w.final_norm)
     return {
@@ -205,19 +207,17 @@ def lean_encode(w, src_tokens):
     }
 
 
-def encoder_layer(w, x, bsz, length, mask):
+def encoder_layer(w, x, bsz, length, mask, kern=None):
     """One encoder layer on the rows x (S*B x C, time first), pre- or post-norm: S*B x C.
-    mask: B x 1 x 1 x S additive (-inf at padding), or None."""
+    mask: B x 1 x 1 x S additive (-inf at padding), or None. kern: the compiled kernels
+    (kernels.serve), whose residual norm is one call for each sum and its norm, as in the
+    decoder's pass (static_pass.residual); relu runs inside fc1's product where it can."""
     pre = w["pre"]
     y = torch.layer_norm(x, *w["self_norm"]) if pre else x
     qkv = w["qkv"](y)  # S*B x 3C
-    x = x + w["out"](self_attention(qkv, bsz, length, w["heads"], mask))
-    if not pre:
-        x = torch.layer_norm(x, *w["self_norm"])
-    y = torch.layer_norm(x, *w["final_norm"]) if pre else x
-    x = x + w["fc2"](w["activation"](w["fc1"](y)))
-    if not pre:
-        x = torch.layer_norm(x, *w["final_norm"])
+    y = w["out"](self_attention(qkv, bsz, length, w["heads"], mask))
+    x, y = residual(kern, x, y, w["self_norm"], w["final_norm"], pre)
+    x, _ = residual(kern, x, w["fc2"](feed_forward_hidden(w, y)), w["final_norm"], None, pre)
     return x
 
 
