@@ -1,6 +1,6 @@
 """Breaking product.Product against fairseq's stock behaviour: the packed products of the
 lean pass, the static cache, the decoder's projections and the draft step, in float32 on a
-CPU (where oneDNN's packed weights serve), with weights changed in place between decodes,
+CPU (where oneDNN's packed weights serve, or the compiled kernel's: `faster`), with weights changed in place between decodes,
 tied embeddings, mkldnn and $FAIRSEQ_BPD_PACKED switched after a decode, dtype and mode
 changes, copies of a model that has decoded, a projection that is not a plain Linear, and
 fairseq-generate.
@@ -44,11 +44,43 @@ def model_of(data_dir, head_type, *extra, seed=1, dtype=torch.float32):
     return task, model
 
 
+COMPILED_CALLS = [0]  # the compiled kernel's products run (counted where `faster` is "compiled")
+
+
+@pytest.fixture(autouse=True)
+def libraries_unless_asked(request, monkeypatch):
+    """The compiled kernels off, unless the test asks for `faster`: at a few rows their
+    product would serve instead of oneDNN's packed copies, which these tests break."""
+    if "faster" not in request.fixturenames:
+        monkeypatch.setenv(kernels.VARIABLE, "0")
+
+
+@pytest.fixture(params=["packed", "compiled"])
+def faster(request, monkeypatch):
+    """The faster products a test's decodes run, each kept from one decode to the next:
+    oneDNN's packed copies (the compiled kernels off) or the compiled kernel's (its packed
+    copies, product.blocked), whose calls decoded() counts with the packed ones."""
+    if request.param == "packed":
+        monkeypatch.setenv(kernels.VARIABLE, "0")
+        return request.param
+    module = kernels.module()
+    assert module is not None  # built here (and in CI): a fallback would hide a failure
+    original = module.float_product
+
+    def float_product(*args, **kwargs):
+        COMPILED_CALLS[0] += 1
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, "float_product", float_product)
+    return request.param
+
+
 def decoded(model, task, sample, **options):
-    """Blockwise output: (tokens, positional scores) per sentence, and the packed products run."""
+    """Blockwise output: (tokens, positional scores) per sentence, and the faster products
+    run (oneDNN's packed ones, and the compiled kernel's where `faster` counts them)."""
+    before = COMPILED_CALLS[0]
     with Operations() as operations:
         hypos, _ = blockwise(model, task, sample, BLOCK_SIZE, **options)
-    packed = sum(PACKED_OP in name for name in operations.names)
+    packed = sum(PACKED_OP in name for name in operations.names) + COMPILED_CALLS[0] - before
     return [(h[0]["tokens"].tolist(), h[0]["positional_scores"]) for h in hypos], packed
 
 
@@ -117,7 +149,7 @@ CHANGES = [optimizer_step, load_other, copy_other, copy_under_inference_mode, to
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("head_type", list(HEAD_TYPES))
-def test_weights_changed_between_decodes_are_decoded_with(data_dir, head_type, change):
+def test_weights_changed_between_decodes_are_decoded_with(data_dir, head_type, change, faster):
     """Each change after a packed decode: the next decode is a model's changed alike before
     any decode (bit for bit) and greedy's, for every head type (the draft's own products too)."""
     task, model = model_of(data_dir, head_type, seed=1)
@@ -141,7 +173,7 @@ def to_bfloat16(model, task, sample, other):
 
 @pytest.mark.parametrize("change", [to_half, to_bfloat16], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("head_type", list(HEAD_TYPES))
-def test_a_model_moved_to_half_precision_after_a_decode_decodes_in_it(data_dir, head_type, change):
+def test_a_model_moved_to_half_precision_after_a_decode_decodes_in_it(data_dir, head_type, change, faster):
     """No packed product in half precision (MKL's, or torch's CPU kernels): the decode is the
     one of a model moved before any decode, bit for bit, and runs no packed product."""
     task, model = model_of(data_dir, head_type, seed=1)
@@ -165,7 +197,7 @@ def scale_rows(model, task, sample):
 @pytest.mark.parametrize("extra", [("--share-decoder-input-output-embed",), ("--share-all-embeddings",),
                                    ("--share-all-embeddings", "--head-vocab", "12")], ids=" ".join)
 @pytest.mark.parametrize("head_type", list(HEAD_TYPES))
-def test_tied_embeddings_changed_in_place_are_decoded_with(data_dir, head_type, extra):
+def test_tied_embeddings_changed_in_place_are_decoded_with(data_dir, head_type, extra, faster):
     """The embedding that is also the output projection (and the encoder's), changed in place
     through a slice and by an optimizer step: both read by the next decode, with a
     shortlist's projection too."""
@@ -241,7 +273,7 @@ def test_the_variable_set_after_a_decode_takes_effect_at_eval(data_dir, head_typ
 
 
 @pytest.mark.parametrize("head_type", list(HEAD_TYPES))
-def test_grad_modes_and_requires_grad_decode_alike(data_dir, head_type):
+def test_grad_modes_and_requires_grad_decode_alike(data_dir, head_type, faster):
     """The generator decodes under inference_mode whatever the caller's mode: under no_grad,
     under inference_mode, and with weights that require no gradient, the same packed decode."""
     task, model = model_of(data_dir, head_type, seed=1)
@@ -257,7 +289,7 @@ def test_grad_modes_and_requires_grad_decode_alike(data_dir, head_type):
 
 
 @pytest.mark.parametrize("head_type", list(HEAD_TYPES))
-def test_weights_made_under_inference_mode_are_read_on_every_decode(data_dir, head_type):
+def test_weights_made_under_inference_mode_are_read_on_every_decode(data_dir, head_type, faster):
     """A model converted under inference_mode holds inference tensors, which keep no version
     counter: nothing is kept across decodes (weights_key None), so a change in place (allowed
     under inference_mode) is read by the next decode, and it is greedy's."""
@@ -293,7 +325,7 @@ def clone_of(model, how):
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 @pytest.mark.parametrize("head_type", list(HEAD_TYPES))
-def test_a_copy_of_a_model_that_has_decoded_decodes_its_own_weights(data_dir, head_type, how):
+def test_a_copy_of_a_model_that_has_decoded_decodes_its_own_weights(data_dir, head_type, how, faster):
     """A copy (fairseq's EMA deep-copies; a user pickles or torch.saves the model) decodes as
     the original, on packed copies of its own: changed in place, it decodes its new weights
     and the original its own."""
@@ -310,7 +342,7 @@ def test_a_copy_of_a_model_that_has_decoded_decodes_its_own_weights(data_dir, he
     assert packed and same(again, first)
 
 
-def test_a_decoded_models_state_dict_holds_only_its_weights(data_dir):
+def test_a_decoded_models_state_dict_holds_only_its_weights(data_dir, faster):
     """What decoding arranged is no part of a checkpoint: the state_dict of a model that has
     decoded has a fresh model's keys and loads with weights_only."""
     task, model = model_of(data_dir, "draft", seed=1)
@@ -346,7 +378,7 @@ def biased(model, bias):
 
 
 @pytest.mark.parametrize("head_type", list(HEAD_TYPES))
-def test_a_projection_that_is_not_plain_is_run_as_the_module(data_dir, head_type):
+def test_a_projection_that_is_not_plain_is_run_as_the_module(data_dir, head_type, faster):
     """After a packed decode, a hook on the output projection is what the next decode scores
     by (the module's fallback: greedy's tokens under the hook); with the hook removed, the
     packed products again, on weights changed while it was on (the decode of a model with
@@ -384,7 +416,6 @@ def test_fairseq_generate_blockwise_in_float32_is_beam_one_with_packing_on_and_o
     hypotheses are --beam 1's, its blocks on packed products or, with $FAIRSEQ_BPD_PACKED=0,
     on none."""
     monkeypatch.setenv(PACKED_VARIABLE, packing)
-    monkeypatch.setenv(kernels.VARIABLE, "0")  # at a few rows the compiled product would serve instead
     for batch_size in (1, 8):
         expected = hypotheses(generate(tiny, "--beam", 1, "--batch-size", batch_size))
         with Operations() as operations:
