@@ -1,11 +1,12 @@
 """The decoding loop's compiled kernels (csrc/): attention for a block's few queries, a
 residual add with its layer norm, and an exact chain's verification (lean.cpp), each one call
-where torch takes several; products of a few rows by int8 weights (int8_product.cpp); and
-the draft decoder's batch-1 step in one call (draft_step.cpp).
+where torch takes several; products of a few rows by packed float32 or int8 weights
+(few_rows.cpp); the decoder's layers over a block at batch 1 in one call (block_pass.cpp);
+and the draft decoder's batch-1 step and chain in one call (draft_step.cpp).
 
 Built with torch's C++ extension tools on first use (scripts/setup.sh builds it once, so
 that decoding never waits for a compiler) into torch's extension cache, for this machine's
-CPU (-march=native), with OpenMP (int8_product.cpp splits its products between torch's
+CPU (-march=native), with OpenMP (few_rows.cpp splits its products between torch's
 threads, whose OpenMP runtime it shares). The build's name carries a hash of the sources and
 their header, the flags, torch's version and the CPU's features, so checkouts and machines
 that share a cache keep a build each, and none loads another's. A build lock left by a build that was killed (torch waits

@@ -1,4 +1,4 @@
-"""The draft's compiled int8 products and its compiled batch-1 step (csrc/int8_product.cpp,
+"""The draft's compiled int8 products and its compiled batch-1 step (csrc/few_rows.cpp,
 csrc/draft_step.cpp): the products are the int8 weights' products, the step is the Python
 step's function on the same weights, and decoding with them gives greedy's tokens."""
 import copy
