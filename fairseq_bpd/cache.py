@@ -387,6 +387,8 @@ class StaticCache:
         self.sources = [None if s is None else (s[0][:count], s[1][:count]) for s in self.sources]
         if self.source_mask is not None:
             self.source_mask = self.source_mask[:count]
+        if count == 1:  # one row: its length is the longest (as crop would find it), and the block pass knows it
+            self.longest, self.equal = int(self.lengths[0]), True
         remap = torch.arange(live.numel(), device=rows.device)
         remap[movers] = holes
         rows = remap[rows]

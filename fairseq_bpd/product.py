@@ -57,12 +57,14 @@ def blocked(weight):
     return padded.view(weight.size(0), blocks, PACKED_OUTPUTS).transpose(0, 1).contiguous()
 
 
-def compiled_kernel(weight, x):
-    """The compiled kernels where their product serves x (M x C) by `weight`: float32 on a
-    CPU, at most COMPILED_MOST_ROWS rows with contiguous channels, no autograd; else None."""
+def compiled_kernel(weight, bias, x):
+    """The compiled kernels where their product serves x (M x C) by `weight` (C x N) and
+    `bias`: float32 on a CPU, at most COMPILED_MOST_ROWS rows with contiguous channels, a
+    contiguous bias of N, no autograd; else None."""
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
-            or x.size(0) > COMPILED_MOST_ROWS or x.stride(1) != 1
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            or x.size(0) > COMPILED_MOST_ROWS or x.stride(1) != 1 or weight.size(0) == 0
+            or bias.dtype != torch.float32 or bias.numel() != weight.size(1) or not bias.is_contiguous()
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))):
         return None
     return kernels.module()
 
@@ -170,7 +172,7 @@ class Product(tuple):
     def __call__(self, x, out=None):
         """x M x C (rows at any stride) -> M x N, into `out` where given."""
         weight, bias = self
-        kern = compiled_kernel(weight, x)
+        kern = compiled_kernel(weight, bias, x)
         if kern is not None:
             return kern.float_product(x, self.blocks(), weight.size(1), bias, None, False, out)
         if not self.packs(x):
@@ -194,7 +196,7 @@ class Product(tuple):
         inside their product (bit for bit, one operation fewer). Not so the residual sums:
         oneDNN's product that adds a matrix (mkldnn._linear_pointwise.binary) measured slower
         in the block pass than the product and an add."""
-        kern = compiled_kernel(self[0], x)
+        kern = compiled_kernel(*self, x)
         if kern is not None:
             return kern.float_product(x, self.blocks(), self[0].size(1), self[1], None, True)
         if self.packs(x):

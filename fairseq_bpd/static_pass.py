@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from . import kernels
 from .block_layer import attend
-from .product import COMPILED_MOST_ROWS, Product
+from . import product as product_module
+from .product import Product
 
 
 def transposed(*linears, scale=None):
@@ -158,7 +159,7 @@ def static_pass(lean, cache, x, encoder_out, padding_mask, block_mask, alignment
     rows, n, channels = x.shape
     x = x.view(rows * n, channels)
     kern = kernels.serve(x)
-    if (rows == 1 and cache.equal and n <= COMPILED_MOST_ROWS and kern is not None and x.dtype == torch.float32
+    if (rows == 1 and cache.equal and n <= product_module.COMPILED_MOST_ROWS and kern is not None and x.dtype == torch.float32
             and alignment_layer is None and encoder_out is not None and lean.block_pass(kern)):
         return compiled(lean, cache, x, encoder_out, padding_mask, mask).view(rows, n, channels), None
     attn = None

@@ -154,6 +154,7 @@ def test_the_compiled_pass_refuses_what_it_would_misread(kern, data_dir):
         (x.double(), kv, 0, None),  # float64 rows
         (torch.zeros(2, channels + 1), kv, 0, None),  # the wrong width
         (x, kv, 7, None),  # no room in the cache for the block
+        (x, kv, 2 ** 63 - 2, None),  # no room either (longest + n would overflow)
         (x, kv[:, :, :, :channels], 0, None),  # not a 3C cache
         (x, kv.transpose(2, 3).contiguous().transpose(2, 3), 0, None),  # a cache's columns not contiguous
         (x, kv, 0, torch.zeros(2, 3)),  # a mask of the wrong width
@@ -169,10 +170,9 @@ def test_the_compiled_pass_refuses_what_it_would_misread(kern, data_dir):
 
 def test_the_last_sentence_of_a_batch_takes_the_compiled_pass(kern, data_dir, monkeypatch):
     """Three sentences kept to unequal lengths, then all but the shortest leave (the cache
-    compacted to its row, longer ones' columns past its length): the block after is the
-    Python pass's (the cache's lengths not yet known equal: the row's block is not at the
-    longest's columns), each block after that the compiled pass's; every block a
-    full-prefix pass's features and bit for bit the Python pass's."""
+    compacted to its row, longer ones' columns past its length; compacting to one row makes
+    its length the longest): every block after is the compiled pass's, each a full-prefix
+    pass's features and bit for bit the Python pass's."""
     monkeypatch.setenv(PACKED_VARIABLE, "0")
     results = []
     for compiled_on in (True, False):
@@ -187,6 +187,6 @@ def test_the_last_sentence_of_a_batch_takes_the_compiled_pass(kern, data_dir, mo
         sentences.leave([shortest])
         results.append(feed_and_keep(sentences, [3, 1, 4, 2]))
         if compiled_on:
-            assert sum(c.runs for c in counters) == 3
+            assert sum(c.runs for c in counters) == 4
     for a, b in zip(*results):
         assert torch.equal(a, b)

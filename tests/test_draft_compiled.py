@@ -306,7 +306,23 @@ def test_a_compiled_chain_refuses_what_it_would_misread(data_dir, kern):
     assert root.shape == (1, 16) and proposals.shape == (3,)
     with pytest.raises(RuntimeError, match="room"):  # the later steps' columns past the cache
         layer.chain(features, tokens, state.cache, state.cache.size(1) - 2, *args, 3)
+    with pytest.raises(RuntimeError, match="room"):  # start + columns would overflow
+        layer.chain(features, tokens, state.cache, 2 ** 63 - 2, *args, 3)
     with pytest.raises(RuntimeError, match="one proposal"):
         layer.chain(features, tokens, state.cache, 0, *args, 0)
     with pytest.raises(RuntimeError, match="packed"):
         layer.chain(features, tokens, state.cache, 0, *args[:3], projection.packed.float(), *args[4:], 3)
+
+
+def test_a_compiled_chain_chooses_as_torch_argmax_among_nans(data_dir, kern):
+    """A NaN logit is torch.argmax's choice (the first NaN): a scale made NaN at one token
+    makes the chain propose that token at every step."""
+    task, model = reduced_model(data_dir, 4, 0)
+    proposal_lprobs(model, task, 0)
+    heads = model.decoder.heads
+    state, layer, projection = heads.state, heads.weights().layer, heads.reduced_projection(0)
+    scales = projection.scales32.clone()
+    scales[[7, 9]] = float("nan")
+    _, proposals = layer.chain(torch.randn(1, 16), torch.tensor([5]), state.cache, 0, state.source_keys,
+                               state.source_values, None, projection.packed, scales, projection[1], 3)
+    assert proposals.tolist() == [7, 7, 7]

@@ -225,3 +225,15 @@ def test_the_compiled_product_refuses_what_it_would_misread():
     with pytest.raises(RuntimeError, match="overlap"):
         out = torch.empty(2, 96)
         kern.float_product(out[:, :64], packed, 96, bias, None, False, out)
+    with pytest.raises(RuntimeError, match="input channel"):
+        kern.float_product(torch.randn(3, 0), torch.zeros(1, 0, 64), 10)
+
+
+def test_a_bias_the_kernel_cannot_read_takes_the_libraries(monkeypatch):
+    """A broadcast or strided bias (addmm takes both) runs addmm's product, as before."""
+    monkeypatch.setenv(PACKED_VARIABLE, "0")
+    weight, _ = weights(64, 96)
+    x = torch.randn(3, 64)
+    for bias in (torch.randn(1), torch.randn(192)[::2]):
+        product = Product(weight, bias)
+        assert torch.allclose(product(x), torch.addmm(bias, x, weight), atol=1e-5) and product.compiled is None

@@ -115,8 +115,8 @@ class BlockPass {
     const int64_t n = input.size(0);
     TORCH_CHECK(kv.dim() == 4 && kv.size(0) == L && kv.size(1) == 1 && kv.size(3) == 3 * C && kv.stride(3) == 1 &&
                     kv.stride(2) == 3 * C &&
-                    kv.scalar_type() == at::kFloat && kv.device().is_cpu() && longest >= 0 &&
-                    longest + n <= kv.size(2),
+                    kv.scalar_type() == at::kFloat && kv.device().is_cpu() && longest >= 0 && n <= kv.size(2) &&
+                    longest <= kv.size(2) - n,
                 "BlockPass.run: a L x 1 x T x 3C float32 cache, columns contiguous, with room for the block");
     // n x W, or 1 x 1 x n x W (StaticCache.begin's where the batch's lengths once differed)
     const bool leading_ones = mask && mask->dim() >= 2 && mask->dim() <= 4 &&

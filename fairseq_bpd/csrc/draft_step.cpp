@@ -102,7 +102,7 @@ class DraftLayer {
 
   // A chain's proposals at batch 1: step() of the entries, then `count` times the drafted
   // features' best token on the proposal projection (an Int8Product's packed copy, its
-  // scales and bias or None: the first of equal logits) and, but after the last, the
+  // scales and bias or None: torch.argmax's choice) and, but after the last, the
   // step of that features and token in the next column. Returns the first step's drafted
   // features (1 x C) and the count tokens (long). What the Python loop computes from
   // step() and the projection, in one call.
@@ -129,7 +129,7 @@ class DraftLayer {
     for (int64_t i = 0; i < count; ++i) {
       lean::int8_rows(current, C, 1, packed.data_ptr<int8_t>(), C, N, scales.data_ptr<float>(),
                       bias ? bias->data_ptr<float>() : nullptr, nullptr, 0, false, logits.data(), N);
-      chosen[i] = std::max_element(logits.begin(), logits.end()) - logits.begin();
+      chosen[i] = best(logits);
       if (i + 1 == count) break;
       run(current, C, chosen + i, 1, cache_data, start + m + i, source_keys, source_values, mask, spare[i % 2]);
       current = spare[i % 2];
@@ -138,6 +138,16 @@ class DraftLayer {
   }
 
  private:
+  // torch.argmax's choice: the first NaN where there is one, else the first of the largest.
+  static int64_t best(const std::vector<float>& logits) {
+    int64_t chosen = 0;
+    for (int64_t j = 0; j < static_cast<int64_t>(logits.size()); ++j) {
+      if (std::isnan(logits[j])) return j;
+      if (logits[j] > logits[chosen]) chosen = j;
+    }
+    return chosen;
+  }
+
   // Refuses what step and chain would misread: `columns` entries written from column start.
   void check(const at::Tensor& features, const at::Tensor& tokens, const at::Tensor& cache, int64_t start,
              const at::Tensor& source_keys, const at::Tensor& source_values,
@@ -153,7 +163,8 @@ class DraftLayer {
     for (const at::Tensor* t : inputs)
       TORCH_CHECK(t->device().is_cpu(), "DraftLayer.step: tensors on the CPU");
     TORCH_CHECK(cache.dim() == 3 && cache.size(0) == 1 && cache.size(2) == 3 * C && cache.is_contiguous() &&
-                    cache.scalar_type() == at::kFloat && start >= 0 && start + columns <= cache.size(1),
+                    cache.scalar_type() == at::kFloat && start >= 0 && columns <= cache.size(1) &&
+                    start <= cache.size(1) - columns,  // not start + columns: it could overflow
                 "DraftLayer.step: a 1 x L x 3C float32 cache with room for the entries");
     TORCH_CHECK(source_keys.dim() == 4 && source_keys.size(0) == 1 && source_keys.size(1) == H &&
                     source_keys.size(3) == d && source_keys.stride(3) == 1 &&

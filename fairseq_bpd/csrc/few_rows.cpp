@@ -169,6 +169,7 @@ bool spans_meet(const at::Tensor& a, const at::Tensor& b) {
 void lean::check_packed_weights(const at::Tensor& packed, const at::Tensor* scales, const at::Tensor* bias, int64_t C,
                                 int64_t N, const char* who) {
   const char* kind = scales ? "int8" : "float32";
+  TORCH_CHECK(C > 0, who, ": at least one input channel");
   TORCH_CHECK(packed.scalar_type() == (scales ? at::kChar : at::kFloat) && packed.is_contiguous() &&
                   packed.dim() == 3 && packed.size(1) == C && packed.size(2) == kBlock &&
                   packed.size(0) * kBlock >= N && (packed.size(0) - 1) * kBlock < N,
