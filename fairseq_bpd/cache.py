@@ -340,11 +340,15 @@ class StaticCache:
             self.longest += 1
             return lengths
         if counts is not None and self.equal:  # every live row at self.longest before the block
-            longest, shortest = self.longest + max(counts), self.longest + min(counts)
+            self.longest, self.equal = self.longest + max(counts), max(counts) == min(counts)
         else:
-            longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
-        self.longest, self.equal = longest, longest == shortest
+            self.measure(lengths)
         return lengths
+
+    def measure(self, lengths):
+        """longest and equal from the live rows' lengths (b, at least one): one host read."""
+        longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
+        self.longest, self.equal = longest, longest == shortest
 
     def gather_path(self, cached, keep):
         """Every layer's entries at block positions keep (b x m) move to the columns after cached (b)."""
@@ -387,8 +391,8 @@ class StaticCache:
         self.sources = [None if s is None else (s[0][:count], s[1][:count]) for s in self.sources]
         if self.source_mask is not None:
             self.source_mask = self.source_mask[:count]
-        if count == 1:  # one row: its length is the longest (as crop would find it), and the block pass knows it
-            self.longest, self.equal = int(self.lengths[0]), True
+        if count:  # the rows that left may have been the longest, or the only ones of another length
+            self.measure(self.lengths)
         remap = torch.arange(live.numel(), device=rows.device)
         remap[movers] = holes
         rows = remap[rows]
