@@ -71,6 +71,7 @@ class DraftDecoder(nn.Module, Proposer):
 
     independent = False  # each step reads the proposal before it
     nodes_read_proposals = False  # nodes() drafts each node after its own ancestors
+    reads_lexicon = True  # its vocab may be a ProposalVocabulary (lexicon.py): logits() and the chain read it
     cache_columns = 64  # the decoding cache's columns at a batch's start (doubled when full)
     # Blocks of one in a row whose positions wait unfed before their keys and values are
     # written (feed_waiting): what bounds the list held and the next first step.
@@ -229,11 +230,40 @@ class DraftDecoder(nn.Module, Proposer):
     def logits(self, drafted, vocab):
         """decoding_logits of drafted features ... x C -> ... x N, on an int8 copy of the
         decoder's proposal projection where the draft's weights are reduced (DraftWeights):
-        made again whenever the decoder arranges its projection anew (another Product)."""
+        made again whenever the decoder arranges its projection anew (another Product).
+        vocab: N (the first N entries; 0: all) or a ProposalVocabulary, whose columns are its
+        first N entries' then its extras' (choose's columns are then vocab.tokens())."""
+        if not isinstance(vocab, int):
+            return torch.cat([self.logits(drafted, vocab.first), self.extra_logits(drafted, vocab)], dim=-1)
         projection = self.reduced_projection(vocab)
         if projection is None:
             return decoding_logits(self.decoder, drafted, vocab)
         return projection(drafted.reshape(-1, drafted.size(-1))).view(*drafted.shape[:-1], -1)
+
+    def extra_logits(self, drafted, vocab):
+        """The logits of a ProposalVocabulary's extras: ... x C -> ... x E, on the same kind of
+        product as its first entries' (logits()), made once per batch from the same weights."""
+        product = self.extra_projection(vocab)
+        if product is None:
+            logits = decoding_logits(self.decoder, drafted, 0)  # ... x V: no plain projection, or weights that keep no version
+            return logits.index_select(-1, vocab.extras)
+        return product(drafted.reshape(-1, drafted.size(-1))).view(*drafted.shape[:-1], -1)
+
+    def extra_projection(self, vocab):
+        """A Product (Int8Product where the first entries' is) over the columns of vocab's
+        extras, kept on `vocab` (the batch's) for the projection it was made from; None where
+        the decoder's projection is not a Product."""
+        projection = self.decoder.transposed_projection() if self.decoder.plain_projection() else None
+        if not isinstance(projection, Product):
+            return None
+        reduced = self.reduced_projection(vocab.first) is not None
+        kept = vocab.arranged.get(reduced)
+        if kept is None or kept[0] is not projection:
+            columns = projection[0].index_select(1, vocab.extras)  # C x E
+            # lazy: a batch's extras are read by few products, fewer than packing them would cost
+            product = (Int8Product if reduced else Product)(columns, columns.new_zeros(columns.size(1)), lazy=True)
+            kept = vocab.arranged[reduced] = projection, product
+        return kept[1]
 
     def reduced_projection(self, vocab):
         """The int8 copy of the decoder's proposal projection (an Int8Product), or None where
@@ -295,9 +325,12 @@ class DraftDecoder(nn.Module, Proposer):
                 drafted = decode_step(state, drafted, token, columns[:, i - 1 : i], masks[:, :, i - 1 : i])
             logits.append(self.logits(drafted, vocab))  # b x N
             token, best = choose(logits[-1], topn)
+            columns_chosen = best
+            if not isinstance(vocab, int):  # columns to tokens
+                token, best = vocab.tokens(token), vocab.tokens(best)
             chosen.append(best)
             if confidence > -math.inf:  # each step's log-probs: confident_width sums these (returned where asked)
-                lprobs.append(logits[-1].log_softmax(dim=-1).gather(-1, best.view(best.size(0), -1)))  # b x topn
+                lprobs.append(logits[-1].log_softmax(dim=-1).gather(-1, columns_chosen.view(best.size(0), -1)))  # b x topn
                 sure = sure + lprobs[-1][:, 0]  # b: as confident_width sums them
                 if not bool((sure >= confidence).any()):
                     break
@@ -312,16 +345,20 @@ class DraftDecoder(nn.Module, Proposer):
         left as the Python loop leaves it. None where it does not serve: the first step made
         already, no compiled layer or int8 projection, not float32, autograd."""
         state = self.sync(features, encoder_out)
-        layer, projection = state.weights.layer, self.reduced_projection(vocab)
+        lexical = not isinstance(vocab, int)
+        layer, projection = state.weights.layer, self.reduced_projection(vocab.first if lexical else vocab)
+        extras = self.extra_projection(vocab) if lexical and projection is not None else None
         if (state.proposed or layer is None or projection is None or features.dtype != torch.float32
-                or features.requires_grad or kernels.module() is None):
+                or features.requires_grad or kernels.module() is None
+                or (lexical and not isinstance(extras, Int8Product))):
             return None
+        more = (extras.packed, extras.scales32, vocab.extras) if lexical else ()
         start = state.longest
         inputs, tokens = state.alone_entries(features, token)  # m x C, m
         state.reserve(start + inputs.size(0) + width - 2)
         state.root, proposals = layer.chain(inputs, tokens, state.cache, start, state.source_keys,
                                             state.source_values, state.source_mask, projection.packed,
-                                            projection.scales32, projection[1], width - 1)
+                                            projection.scales32, projection[1], width - 1, *more)
         state.length, state.longest, state.proposed = state.length + inputs.size(0), start + inputs.size(0), True
         return proposals.view(1, width - 1, 1)
 
@@ -420,5 +457,7 @@ class DraftDecoder(nn.Module, Proposer):
                 g = g.view(b, len(parents), -1)
             logits = self.logits(g, vocab)  # b x P x N
             best = logits.argmax(-1, keepdim=True) if topn == 1 else logits.topk(topn, dim=-1)[1]  # b x P x topn
+            if not isinstance(vocab, int):  # columns to tokens
+                best = vocab.tokens(best)
             chosen[:, children] = best[:, rows, ranks]
         return chosen[:, 1:]

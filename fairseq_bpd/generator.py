@@ -77,7 +77,9 @@ class Batch:
     b x L, the running score after each output (float32, as fairseq keeps it, whatever
     torch's default dtype); score: b, the last of them (0 before any output); attn:
     b x S x L or None; length: b, outputs so far; cached: b, decoder inputs in the cache;
-    offsets: 1..L, the columns after a sentence's last output (kept, not made per block).
+    offsets: 1..L, the columns after a sentence's last output (kept, not made per block);
+    vocab: what the proposals range over (BlockwiseGenerator.vocabulary), the same for the
+    whole batch.
     Every sentence takes part in every invocation until it finishes, so the loop counts
     invocations once, not per sentence.
     """
@@ -88,7 +90,7 @@ class Batch:
     def select(self, rows):
         """Keep the sentences at `rows` (b')."""
         for name, value in vars(self).items():
-            if value is not None and name != "offsets":
+            if value is not None and name not in ("offsets", "vocab"):
                 setattr(self, name, value[rows])
 
     def store(self, outputs, output_scores, added, block_attn, pad):
@@ -160,6 +162,9 @@ class BlockwiseGenerator(nn.Module):
         self.log_confidence = math.log(options.confidence) if options.confidence > 0 else -math.inf
         # 0: what the heads were trained on (--head-vocab), else the whole dictionary.
         self.proposal_vocab = options.proposal_vocab or getattr(model.decoder, "head_vocab", 0)
+        # and past them, the rarer tokens that a batch's source words bring (vocabulary())
+        self.lexicon = options.proposal_lexicon
+        self.dictionaries = (getattr(getattr(model, "encoder", None), "dictionary", None), tgt_dict)
         # The candidates of a block: the chain of top choices, or the best tree of `tree`
         # nodes, ranked among the tokens the heads may propose (padding never).
         heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
@@ -218,7 +223,7 @@ class BlockwiseGenerator(nn.Module):
                 if tree.is_chain:  # b x n-1: each head's best
                     nodes = proposals[:, :, 0]
                 else:  # b x n-1: the proposer lays its candidates out as the tree, after `last` and `token`
-                    nodes = self.proposer.nodes(proposals, tree, last, token[:, 0], self.proposal_vocab, encoder_out)
+                    nodes = self.proposer.nodes(proposals, tree, last, token[:, 0], batch.vocab, encoder_out)
                 block = torch.cat([token, nodes], dim=1)  # b x n
             n = block.size(1)
             # Bounds known on the host: every length is at most the cache's width (cached ==
@@ -381,8 +386,16 @@ class BlockwiseGenerator(nn.Module):
             sentence=torch.arange(bsz, device=device), tokens=tokens,
             scores=torch.zeros(bsz, width, dtype=torch.float32, device=device), attn=None, length=length,
             score=torch.zeros(bsz, dtype=torch.float32, device=device), cached=torch.zeros_like(length),
-            offsets=torch.arange(1, width + 1, device=device),
+            offsets=torch.arange(1, width + 1, device=device), vocab=self.vocabulary(src_tokens),
         )
+
+    def vocabulary(self, src_tokens):
+        """What the batch's proposals range over: the first proposal_vocab entries (0: all of
+        them) or, under a lexicon, a ProposalVocabulary of those and the rarer target tokens
+        that the batch's source tokens (B x S) bring."""
+        if self.lexicon is None:
+            return self.proposal_vocab
+        return self.lexicon.vocabulary(src_tokens, self.proposal_vocab, *self.dictionaries)
 
     def retire(self, batch, rows, finalized, src_lengths, invocations):
         """Hypotheses of the sentences at `rows` (a host list of the batch's rows, those that
@@ -474,7 +487,7 @@ class BlockwiseGenerator(nn.Module):
         confident = self.log_confidence > -math.inf  # the log-probs are read only to cut the width
         # confidence= only where it is set: a proposer of the protocol before it takes none
         cut = {"confidence": self.log_confidence} if confident else {}
-        proposals, lprobs = self.proposer.propose(features, token, width, self.proposal_vocab, self.layout.topn,
+        proposals, lprobs = self.proposer.propose(features, token, width, batch.vocab, self.layout.topn,
                                                   encoder_out, log_probs=confident, **cut)
         if not confident:
             return proposals

@@ -16,6 +16,7 @@ from typing import Optional
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.configs import GenerationConfig
 
+from .lexicon import ProposalLexicon
 from .refusals import refuse, refuse_options
 from .tree import is_rate_table, load_rates
 
@@ -112,6 +113,16 @@ class BlockwiseDecodingConfig(FairseqDataclass):
             "just never proposed (0: the checkpoint's --head-vocab, else the whole dictionary)"
         },
     )
+    blockwise_proposal_lexicon: str = field(
+        default="",
+        metadata={
+            "help": "the draft decoder (--head-type draft) also proposes the rarer target tokens "
+            "that each sentence's source words bring past the proposal vocabulary's first N "
+            "entries, from this lexicon (scripts/proposal_lexicon.py counts one in training "
+            "pairs): most of what the whole dictionary accepts, at the cost of a few "
+            "hundred more entries; output stays exactly greedy"
+        },
+    )
     blockwise_tree: int = field(
         default=0,
         metadata={
@@ -154,8 +165,9 @@ class BlockwiseOptions:
     by the default width policy where it applies: chooses_width). widths: that policy's
     table, a path ("": this model's on this machine, widths.table_path). tree_rates: the heads'
     rates that shape the tree, a heads x ranks table or the path of a JSON file that
-    scripts/tree_rates.py wrote (loaded when the options are built). threads: torch's
-    threads while decoding a batch (0: widths.batch_threads chooses). The other fields
+    scripts/tree_rates.py wrote (loaded when the options are built). proposal_lexicon: a
+    ProposalLexicon or the path of its file (loaded alike). threads: torch's threads while
+    decoding a batch (0: widths.batch_threads chooses). The other fields
     are the task's flags without their `blockwise_` prefix, and fairseq's generation
     flags that blockwise decoding honours (normalize_scores is `not --unnormalized`,
     len_penalty --lenpen, unk_penalty --unkpen; max_len 0 is the model's limit). attention:
@@ -173,6 +185,7 @@ class BlockwiseOptions:
     widths: str = flag("blockwise_widths")
     threads: int = flag("blockwise_threads")
     tree_rates: Optional[tuple] = None
+    proposal_lexicon: Optional[object] = None
     sampling: bool = generation("sampling")
     sampling_topk: int = generation("sampling_topk")
     sampling_topp: float = generation("sampling_topp")
@@ -204,6 +217,14 @@ class BlockwiseOptions:
             refuse(f"tree_rates must be a heads x ranks table of rates in [0, 1] (got {rates!r:.80})")
         if rates is not None:  # frozen all the way down: a table the generator cannot change
             object.__setattr__(self, "tree_rates", tuple(tuple(row) for row in rates))
+        lexicon = self.proposal_lexicon
+        if isinstance(lexicon, (str, os.PathLike)):
+            lexicon, problem = read_lexicon(lexicon)
+            if problem:  # refused outside the except, as the rates
+                refuse(problem)
+            object.__setattr__(self, "proposal_lexicon", lexicon)
+        elif lexicon is not None and not isinstance(lexicon, ProposalLexicon):
+            refuse(f"proposal_lexicon must be a ProposalLexicon or the path of one (got {lexicon!r:.80})")
 
     @classmethod
     def from_configs(cls, cfg, args):
@@ -226,6 +247,7 @@ class BlockwiseOptions:
             widths=cfg.blockwise_widths,
             threads=cfg.blockwise_threads,
             tree_rates=cfg.blockwise_tree_rates or None,
+            proposal_lexicon=cfg.blockwise_proposal_lexicon or None,
             sampling=given("sampling"),
             sampling_topk=given("sampling_topk"),
             sampling_topp=given("sampling_topp"),
@@ -272,6 +294,14 @@ class BlockwiseOptions:
         if self.chooses_width or self.threads:  # the threads of each batch (widths.batch_threads)
             generator.generate = with_batch_threads(generator, self.threads)
         return generator
+
+
+def read_lexicon(path):
+    """The ProposalLexicon in `path` and None, or None and why it cannot be read."""
+    try:
+        return ProposalLexicon.load(path), None
+    except ValueError as error:
+        return None, str(error)
 
 
 def read_rates(path):

@@ -150,12 +150,14 @@ class Product(tuple):
     A tuple, so that whatever slices W or the bias (a shortlist's columns) reads them as before.
     Packed when made where packing applies, else on the first product that may use it (made
     while mkldnn was disabled, used after), so that what a product computes never depends
-    on the flag at the time the weights were arranged."""
+    on the flag at the time the weights were arranged. lazy: packed on the first product that
+    uses the packed copy in any case (a weight made per batch, which few products may read:
+    oneDNN's packing costs many of them)."""
 
-    def __new__(cls, weight, bias):
+    def __new__(cls, weight, bias, lazy=False):
         self = super().__new__(cls, (weight, bias))
         self.packable = packable(weight)
-        self.packed = pack(weight) if self.packable and torch.backends.mkldnn.enabled else None
+        self.packed = pack(weight) if self.packable and torch.backends.mkldnn.enabled and not lazy else None
         self.pays = {}  # packed_pays's answers for this product, by rows and threads
         # $FAIRSEQ_BPD_PACKED=1: the packed copy wherever it applies, untimed (runs that must
         # round alike every time); 0: never; unset: the kernel timed faster (packed_pays)
@@ -251,9 +253,9 @@ class Int8Product(tuple):
     same call (`add`, `relu`). Where it does not serve, torch's weight-only kernel runs
     (x rounded to bf16, bf16 scales; bf16 out where no bias is added, which a sum with
     float32 promotes). More rows than INT8_MOST_ROWS, and inputs neither kernel takes
-    (float64, autograd), run the Product of W (a bias of zeros where none)."""
+    (float64, autograd), run the Product of W (a bias of zeros where none; lazy: Product's)."""
 
-    def __new__(cls, weight, bias):
+    def __new__(cls, weight, bias, lazy=False):
         if weight.size(0) % INT8_ROWS:
             raise ValueError(f"an Int8Product's weight needs rows in multiples of {INT8_ROWS}, not {weight.size(0)}")
         self = super().__new__(cls, (weight, bias))
@@ -261,7 +263,7 @@ class Int8Product(tuple):
         self.quantized = (weight / scales).round_().to(torch.int8).t().contiguous()  # N x C
         self.scales, self.scales32 = scales.bfloat16(), scales.float().contiguous()
         self.packed = blocked(self.quantized.t())  # N/64 x C x 64
-        self.full = Product(weight, weight.new_zeros(weight.size(1)) if bias is None else bias)
+        self.full = Product(weight, weight.new_zeros(weight.size(1)) if bias is None else bias, lazy)
         return self
 
     def __reduce__(self):

@@ -215,11 +215,27 @@ def refuse_for_model(options, model, tgt_dict, proposer):
         refuse(f"--blockwise-tree-rates hold rates for {covered} only, but the block ({where}) "
                f"proposes with heads 2..{width}; measure them on this checkpoint "
                f"(scripts/tree_rates.py) or give --block-size {len(rates) + 1}")
+    refuse_lexicon(options, model, tgt_dict, proposer)
     if options.sampling and not proposer.independent:
         head_type = next((name for name, kind in HEAD_TYPES.items() if type(proposer) is kind),
                          type(proposer).__name__)
         refuse("--sampling draws from independent heads' own distributions: this checkpoint's heads "
                f"are --head-type {head_type}")
+
+
+def refuse_lexicon(options, model, tgt_dict, proposer):
+    """--blockwise-proposal-lexicon: rarer tokens for the draft decoder's proposals, past a shortlist."""
+    lexicon = options.proposal_lexicon
+    if lexicon is None:
+        return
+    if not getattr(proposer, "reads_lexicon", False):
+        refuse("--blockwise-proposal-lexicon adds to the draft decoder's proposals (--head-type draft); "
+               f"this checkpoint's proposer is a {type(proposer).__name__}")
+    if not (options.proposal_vocab or getattr(model.decoder, "head_vocab", 0)):
+        refuse("--blockwise-proposal-lexicon adds tokens past a shortlist, but the proposals range over the "
+               "whole dictionary already: give --blockwise-proposal-vocab N (the checkpoint has no --head-vocab)")
+    if not bool((lexicon.bind(model.encoder.dictionary, tgt_dict) >= 0).any()):
+        refuse("--blockwise-proposal-lexicon: none of its words are in the model's dictionaries")
 
 
 def refuse_prefix(prefix_tokens, constraints):

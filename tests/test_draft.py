@@ -1,5 +1,8 @@
 """--head-type draft: one decoder layer drafts heads 2..k step by step; decoding stays exactly greedy."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from fairseq_bpd.heads import Proposer, decoding_logits, following_tokens
 from fairseq_bpd.options import BlockwiseOptions
 
 DRAFT = ("--head-type", "draft")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fairseq's attention takes its softmax in float32 (utils.softmax) wherever it runs with an
 # incremental state or static keys, so even a float64 model's base features from decoding
 # and from one full-prefix pass differ by about 1e-7 (measured; how much depends on the
@@ -483,6 +487,13 @@ def test_a_frozen_base_translates_unchanged_through_the_clis(tmp_path_factory):
     assert_same_hypotheses(hypotheses(greedy_out), hypotheses(drafted))
     assert summary(drafted).mean > 1.0  # the draft proposes what the base accepts
     assert max(summary(drafted).histogram) == 3  # its step past the trained one proposes too
+    # a lexicon counted in the training pairs adds rarer tokens past a shortlist of 10 entries
+    lexicon = f"{save}/lexicon.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "proposal_lexicon.py"), tiny.data, lexicon,
+                    "--first", "10", "--min-count", "1"], check=True, capture_output=True)
+    lexical = run("fairseq-generate", tiny.data, "--path", f"{save}/checkpoint_last.pt", *common, "--blockwise",
+                  "--block-size", BLOCK_SIZE, "--blockwise-proposal-vocab", 10, "--blockwise-proposal-lexicon", lexicon)
+    assert_same_hypotheses(hypotheses(greedy_out), hypotheses(lexical))
     with open(f"{tiny.raw}/test.de") as f:
         source = "".join(f.readlines()[:5])
     interactive = ("fairseq-interactive", tiny.data, *common, "--buffer-size", 8, "--source-lang", "de",

@@ -105,23 +105,44 @@ class DraftLayer {
   // scales and bias or None: torch.argmax's choice) and, but after the last, the
   // step of that features and token in the next column. Returns the first step's drafted
   // features (1 x C) and the count tokens (long). What the Python loop computes from
-  // step() and the projection, in one call.
+  // step() and the projection, in one call. extra_packed, extra_scales and extra_ids
+  // (a ProposalVocabulary's extras: an Int8Product over their columns and their token ids,
+  // increasing, all past the projection's N): their logits follow the N (token ids[j - N]
+  // for column j), as the Python loop concatenates them.
   std::vector<at::Tensor> chain(const at::Tensor& features, const at::Tensor& tokens, at::Tensor& cache, int64_t start,
                                 const at::Tensor& source_keys, const at::Tensor& source_values,
                                 const std::optional<at::Tensor>& source_mask, const at::Tensor& packed,
-                                const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t count) {
+                                const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t count,
+                                const std::optional<at::Tensor>& extra_packed,
+                                const std::optional<at::Tensor>& extra_scales,
+                                const std::optional<at::Tensor>& extra_ids) {
     const int64_t C = table_.size(1), m = features.size(0);
     TORCH_CHECK(count >= 1, "DraftLayer.chain: at least one proposal");
     check(features, tokens, cache, start, source_keys, source_values, source_mask, m + count - 1);
     lean::check_int8_weights(packed, scales, bias ? &*bias : nullptr, C, "DraftLayer.chain");
     const int64_t N = scales.numel();
     TORCH_CHECK(N > 0 && N <= table_.size(0), "DraftLayer.chain: a projection onto at most the vocabulary");
+    int64_t E = 0;
+    const int64_t* ids = nullptr;
+    TORCH_CHECK(extra_packed.has_value() == extra_scales.has_value() && extra_packed.has_value() == extra_ids.has_value(),
+                "DraftLayer.chain: the extras' packed weights, scales and ids together");
+    if (extra_packed) {
+      lean::check_int8_weights(*extra_packed, *extra_scales, nullptr, C, "DraftLayer.chain (extras)");
+      E = extra_scales->numel();
+      TORCH_CHECK(extra_ids->dtype() == at::kLong && extra_ids->dim() == 1 && extra_ids->numel() == E &&
+                      extra_ids->is_contiguous(),
+                  "DraftLayer.chain: one contiguous long id per extra column");
+      ids = extra_ids->data_ptr<int64_t>();
+      for (int64_t j = 0; j < E; ++j)
+        TORCH_CHECK(ids[j] >= N && ids[j] < table_.size(0) && (j == 0 || ids[j] > ids[j - 1]),
+                    "DraftLayer.chain: extra ids increasing, past the projection's and within the vocabulary");
+    }
     const at::Tensor mask = source_mask ? source_mask->contiguous() : at::Tensor();  // kept while read
     at::Tensor root = at::empty({1, C}, features.options());
     at::Tensor proposals = at::empty({count}, tokens.options());
     int64_t* chosen = proposals.data_ptr<int64_t>();
     float* spare[2] = {buffer(5, C).data(), buffer(7, C).data()};  // each later step's drafted features, in turn
-    std::vector<float>& logits = buffer(6, N);
+    std::vector<float>& logits = buffer(6, N + E);
     float* cache_data = cache.data_ptr<float>();
     run(features.data_ptr<float>(), features.stride(0), tokens.data_ptr<int64_t>(), m, cache_data, start, source_keys,
         source_values, mask, root.data_ptr<float>());
@@ -129,7 +150,12 @@ class DraftLayer {
     for (int64_t i = 0; i < count; ++i) {
       lean::int8_rows(current, C, 1, packed.data_ptr<int8_t>(), C, N, scales.data_ptr<float>(),
                       bias ? bias->data_ptr<float>() : nullptr, nullptr, 0, false, logits.data(), N);
+      if (E) {
+        lean::int8_rows(current, C, 1, extra_packed->data_ptr<int8_t>(), C, E, extra_scales->data_ptr<float>(),
+                        nullptr, nullptr, 0, false, logits.data() + N, E);
+      }
       chosen[i] = best(logits);
+      if (chosen[i] >= N) chosen[i] = ids[chosen[i] - N];
       if (i + 1 == count) break;
       run(current, C, chosen + i, 1, cache_data, start + m + i, source_keys, source_values, mask, spare[i % 2]);
       current = spare[i % 2];
@@ -235,5 +261,9 @@ void bind_draft_layer(pybind11::module& m) {
       .def(pybind11::init<at::Tensor, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<at::Tensor>&, int64_t, std::vector<double>>())
       .def("step", &DraftLayer::step, "a batch-1 draft step: entries in the cache, the last one's layer")
-      .def("chain", &DraftLayer::chain, "a batch-1 chain's proposals: steps and their best tokens");
+      .def("chain", &DraftLayer::chain, "a batch-1 chain's proposals: steps and their best tokens",
+           py::arg("features"), py::arg("tokens"), py::arg("cache"), py::arg("start"), py::arg("source_keys"),
+           py::arg("source_values"), py::arg("source_mask"), py::arg("packed"), py::arg("scales"), py::arg("bias"),
+           py::arg("count"), py::arg("extra_packed") = py::none(), py::arg("extra_scales") = py::none(),
+           py::arg("extra_ids") = py::none());
 }
