@@ -324,19 +324,20 @@ class DraftDecoder(nn.Module, Proposer):
             elif i > 0:
                 drafted = decode_step(state, drafted, token, columns[:, i - 1 : i], masks[:, :, i - 1 : i])
             logits.append(self.logits(drafted, vocab))  # b x N
-            token, best = choose(logits[-1], topn)
-            columns_chosen = best
-            if not isinstance(vocab, int):  # columns to tokens
-                token, best = vocab.tokens(token), vocab.tokens(best)
+            token, best = choose(logits[-1], topn)  # columns of the logits (a ProposalVocabulary's: not tokens)
             chosen.append(best)
+            if not isinstance(vocab, int):
+                token = vocab.tokens(token)
             if confidence > -math.inf:  # each step's log-probs: confident_width sums these (returned where asked)
-                lprobs.append(logits[-1].log_softmax(dim=-1).gather(-1, columns_chosen.view(best.size(0), -1)))  # b x topn
+                lprobs.append(logits[-1].log_softmax(dim=-1).gather(-1, best.view(best.size(0), -1)))  # b x topn
                 sure = sure + lprobs[-1][:, 0]  # b: as confident_width sums them
                 if not bool((sure >= confidence).any()):
                     break
         if lprobs:  # each step's, as the stop summed them (not made again from the logits)
-            return chain_proposals(chosen, [], topn, False)[0], torch.stack(lprobs, dim=1) if log_probs else None
-        return chain_proposals(chosen, logits, topn, log_probs)
+            tokens, lprobs = chain_proposals(chosen, [], topn, False)[0], torch.stack(lprobs, dim=1)
+        else:
+            tokens, lprobs = chain_proposals(chosen, logits, topn, log_probs)  # gathered by column
+        return (tokens if isinstance(vocab, int) else vocab.tokens(tokens)), lprobs if log_probs else None
 
     def compiled_chain(self, features, token, width, vocab, encoder_out):
         """propose()'s chain at batch 1 (features 1 x C, token 1), no log-probs, in one call of

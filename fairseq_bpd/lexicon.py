@@ -34,20 +34,22 @@ class ProposalLexicon:
     def load(cls, path):
         """The lexicon in the JSON file `path`; ValueError naming the file where it is none."""
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:  # the words are UTF-8 whatever the locale
                 data = json.load(f)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             raise ValueError(f"--blockwise-proposal-lexicon {path}: cannot read it ({error})") from None
         table = data.get("table") if isinstance(data, dict) else None
+        first = data.get("first", 0) if isinstance(data, dict) else None
         if (not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(table, dict)
                 or not all(isinstance(words, list) and all(isinstance(w, str) for w in words)
-                           for words in table.values())):
+                           for words in table.values())
+                or type(first) is not int or first < 0):
             raise ValueError(f"--blockwise-proposal-lexicon {path}: not a proposal lexicon "
                              f"(scripts/proposal_lexicon.py writes one)")
-        return cls(table, int(data.get("first", 0)))
+        return cls(table, first)
 
     def save(self, path):
-        with open(path, "w") as f:
+        with open(path, "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "first": self.first, "table": self.table}, f, ensure_ascii=False)
 
     def bind(self, src_dict, tgt_dict):

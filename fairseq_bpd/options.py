@@ -117,7 +117,7 @@ class BlockwiseDecodingConfig(FairseqDataclass):
         default="",
         metadata={
             "help": "the draft decoder (--head-type draft) also proposes the rarer target tokens "
-            "that each sentence's source words bring past the proposal vocabulary's first N "
+            "that the batch's source words bring past the proposal vocabulary's first N "
             "entries, from this lexicon (scripts/proposal_lexicon.py counts one in training "
             "pairs): most of what the whole dictionary accepts, at the cost of a few "
             "hundred more entries; output stays exactly greedy"

@@ -217,10 +217,14 @@ def refuse_for_model(options, model, tgt_dict, proposer):
                f"(scripts/tree_rates.py) or give --block-size {len(rates) + 1}")
     refuse_lexicon(options, model, tgt_dict, proposer)
     if options.sampling and not proposer.independent:
-        head_type = next((name for name, kind in HEAD_TYPES.items() if type(proposer) is kind),
-                         type(proposer).__name__)
         refuse("--sampling draws from independent heads' own distributions: this checkpoint's heads "
-               f"are --head-type {head_type}")
+               f"are {head_type_of(proposer)}")
+
+
+def head_type_of(proposer):
+    """`--head-type NAME` of a proposer, or its class's name where it is none of them."""
+    return next((f"--head-type {name}" for name, kind in HEAD_TYPES.items() if type(proposer) is kind),
+                f"a {type(proposer).__name__}")
 
 
 def refuse_lexicon(options, model, tgt_dict, proposer):
@@ -230,7 +234,7 @@ def refuse_lexicon(options, model, tgt_dict, proposer):
         return
     if not getattr(proposer, "reads_lexicon", False):
         refuse("--blockwise-proposal-lexicon adds to the draft decoder's proposals (--head-type draft); "
-               f"this checkpoint's proposer is a {type(proposer).__name__}")
+               f"this checkpoint's heads are {head_type_of(proposer)}")
     if not (options.proposal_vocab or getattr(model.decoder, "head_vocab", 0)):
         refuse("--blockwise-proposal-lexicon adds tokens past a shortlist, but the proposals range over the "
                "whole dictionary already: give --blockwise-proposal-vocab N (the checkpoint has no --head-vocab)")

@@ -85,6 +85,11 @@ def main():
     for flag, value in (("--per-source", args.per_source), ("--min-count", args.min_count), ("--first", args.first)):
         if value < 1:
             raise SystemExit(f"error: {flag} must be at least 1 (got {value})")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise SystemExit(f"error: cannot write {args.out}: {folder} is no folder this user may write in")
+    if not os.path.isdir(args.data):
+        raise SystemExit(f"error: no folder {args.data}")
     source, target = languages(args.data, args.subset, args.source_lang, args.target_lang)
     dicts = []
     for lang in (source, target):
@@ -103,7 +108,10 @@ def main():
     if not table:
         raise SystemExit(f"error: no source word shares a target token past the first {args.first} in "
                          f"{args.min_count} or more pairs of {args.data} ({args.subset}): nothing to write")
-    ProposalLexicon(table, args.first).save(args.out)
+    try:
+        ProposalLexicon(table, args.first).save(args.out)
+    except OSError as error:
+        raise SystemExit(f"error: cannot write {args.out} ({error})")
     added = sum(len(words) for words in table.values())
     print(f"wrote {args.out}: {len(table)} source words add {added} target tokens past the first {args.first} "
           f"({len(sources)} pairs of {args.data} {args.subset})")

@@ -60,9 +60,17 @@ def test_a_lexicon_file_round_trips_and_bad_files_are_named(data_dir, tmp_path):
     assert loaded.first == FIRST and loaded.table == {task.source_dictionary[5]: ["w16", "w8"]}
     assert BlockwiseOptions(proposal_lexicon=str(path)).proposal_lexicon.table == loaded.table
     (tmp_path / "bad.json").write_text(json.dumps({"format": FORMAT, "table": {"w1": "w2"}}))
+    for i, first in enumerate((None, [1], "abc", -1, 2.5, True)):
+        (tmp_path / f"first{i}.json").write_text(json.dumps({"format": FORMAT, "first": first, "table": {"w1": ["w2"]}}))
+        with pytest.raises(BlockwiseRequestError, match=f"first{i}.json: not a proposal lexicon"):
+            BlockwiseOptions(proposal_lexicon=str(tmp_path / f"first{i}.json"))
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    (tmp_path / "utf8.json").write_bytes(json.dumps({"format": FORMAT, "table": {"größe": ["ß"]}},
+                                                    ensure_ascii=False).encode("utf-8"))
+    assert ProposalLexicon.load(tmp_path / "utf8.json").table == {"größe": ["ß"]}  # whatever the locale
     (tmp_path / "other.json").write_text(json.dumps({"rates": []}))
     (tmp_path / "broken.json").write_text("{")
-    for name, problem in (("missing.json", "cannot read"), ("broken.json", "cannot read"),
+    for name, problem in (("missing.json", "cannot read"), ("broken.json", "cannot read"), ("deep.json", "cannot read"),
                           ("bad.json", "not a proposal lexicon"), ("other.json", "not a proposal lexicon")):
         with pytest.raises(BlockwiseRequestError, match=f"--blockwise-proposal-lexicon .*{name}: {problem}"):
             BlockwiseOptions(proposal_lexicon=str(tmp_path / name))
@@ -138,6 +146,34 @@ def masked_to(vocabulary, logits):
     """logits ... x V with -inf outside the token ids `vocabulary` (a set)."""
     outside = torch.tensor([t not in vocabulary for t in range(logits.size(-1))])
     return logits.masked_fill(outside, -math.inf)
+
+
+@pytest.mark.parametrize("topn", [1, 3])
+def test_a_proposals_log_probs_are_its_tokens_over_the_batch_vocabulary(data_dir, topn):
+    """propose() asked for log-probs (the protocol's default) gathers them at the chosen
+    columns: each proposal's log-prob over the batch vocabulary, as the whole dictionary's
+    with every other token's logit -inf gives it."""
+    task, model, _ = draft(data_dir, 4, seed=2)
+    d, heads = task.target_dictionary, model.decoder.heads
+    sample = random_sample(task, bsz=3, seed=2)
+    lexicon = lexicon_of(task, {s: [FIRST + (s % 7) * 2] for s in range(4, 28)})
+    vocab = lexicon.vocabulary(sample["net_input"]["src_tokens"], FIRST, task.source_dictionary, d)
+    allowed = set(vocab.ids.tolist())
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    features, token = torch.randn(3, model.decoder.embed_tokens.weight.size(1), dtype=torch.float64), torch.tensor([5, 6, 7])
+    with torch.no_grad():
+        heads.state = None
+        tokens, lprobs = heads.propose(features, token, 4, vocab, topn, encoder_out)
+        heads.state = None
+        logits = DraftDecoder.logits
+        DraftDecoder.logits = lambda self, drafted, v: masked_to(allowed, logits(self, drafted, 0))
+        try:
+            wanted, wanted_lprobs = heads.propose(features, token, 4, 0, topn, encoder_out)
+        finally:
+            DraftDecoder.logits = logits
+    assert torch.equal(tokens, wanted) and set(tokens.flatten().tolist()) <= allowed
+    assert torch.allclose(lprobs, wanted_lprobs, atol=1e-12)
+    assert bool((tokens >= FIRST).any())  # an extra among them: its log-prob read at its column
 
 
 @pytest.mark.parametrize("bsz", [1, 7])
@@ -276,7 +312,8 @@ def test_the_script_counts_companions_in_training_pairs(tmp_path):
     for args, message in (((data, out, "--subset", "valid"), "held out"),
                           ((data, out, "--first", len(tgt)), "--first"),
                           ((data, out, "--per-source", 0), "--per-source must be at least 1"),
-                          ((tmp_path / "nowhere", out), "language pairs"),
-                          ((data, out, "--first", first, "--min-count", 9), "nothing to write")):
+                          ((tmp_path / "nowhere", out), "no folder"),
+                          ((data, out, "--first", first, "--min-count", 9), "nothing to write"),
+                          ((data, tmp_path / "nowhere" / "lexicon.json"), "cannot write")):
         failed = run_script(*args)
         assert failed.returncode != 0 and message in failed.stderr, failed.stderr
