@@ -98,6 +98,3 @@ class ProposalVocabulary:
     def tokens(self, columns):
         """Token ids of chosen columns (any shape)."""
         return self.ids[columns]
-
-    def to(self, device):
-        return self if self.ids.device == device else ProposalVocabulary(self.first, self.extras.to(device))
