@@ -6,7 +6,8 @@ checkpoint (models/demo/), measures this machine's width table for it once
 (scripts/calibrate_widths.py), and prints one table: BLEU, mean accepted block size,
 decoder invocations and the wall-clock speedup at batch sizes 1 and 32 of greedy,
 `--blockwise` alone (its widths from the table), the fixed chain at the full k, the
-best tree and `--blockwise-adaptive`; then a few test sentences (source, reference, greedy and blockwise output)
+best tree and `--blockwise-adaptive`, every blockwise row under the shipped proposal lexicon
+(--blockwise-proposal-lexicon); then a few test sentences (source, reference, greedy and blockwise output)
 and a plot of the chain's accepted block sizes. The numbers are scripts/speed.py's, run
 twice (all sentences at batch 32, --timing-sentences at batch 1). Decodes on the GPU when
 torch sees one (--cpu: the CPU), and says which device it timed.
@@ -22,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 MODEL_DIR = os.path.join(ROOT, "models", "demo")
 TREE_RATES = os.path.join(MODEL_DIR, "checkpoint.int4.tree-rates.json")
+# The rarer target tokens each source word brings to the draft's proposals (--blockwise-proposal-lexicon).
+LEXICON = os.path.join(MODEL_DIR, "checkpoint.int4.lexicon.json")
 # The blockwise rows shown beside greedy: scripts/speed.py's decoder specs, by their label:
 # what --blockwise gives by itself, the chain at the checkpoint's k, the best tree there, and
 # --blockwise-adaptive (widths learnt from the run itself, no table).
@@ -85,7 +88,7 @@ def plot(histogram, path, k):
 def speed(data, checkpoint, out, batch_size, limit, repeats, examples=0, cpu=False):
     """scripts/speed.py's rows for greedy and ROWS at one batch size, by decoder."""
     argv = ["scripts/speed.py", "--data", data, "--path", checkpoint, "--rows", "greedy", *ROWS,
-            "--tree-rates", TREE_RATES, "--batch-sizes", str(batch_size), "--repeats", str(repeats), "--examples", str(examples), "--out", out]
+            "--tree-rates", TREE_RATES, "--proposal-lexicon", LEXICON, "--batch-sizes", str(batch_size), "--repeats", str(repeats), "--examples", str(examples), "--out", out]
     argv += ["--cpu"] * cpu + (["--max-sentences", str(limit)] if limit is not None else [])
     subprocess.run([PYTHON, *argv], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     with open(out + ".json") as f:
@@ -142,7 +145,8 @@ def show(quality, report, timed, repeats, work):
     ]
     print()
     print(f"fairseq greedy (--beam 1) vs blockwise parallel decoding (--blockwise, its widths chosen "
-          f"by batch size; the chain of width k={k}; a tree of 16; --blockwise-adaptive), exact acceptance")
+          f"by batch size; the chain of width k={k}; a tree of 16; --blockwise-adaptive), exact acceptance, "
+          f"--blockwise-proposal-lexicon {os.path.relpath(LEXICON, ROOT)}")
     print(f"{'':52s} " + " ".join(f"{label:>12s}" for label in ["greedy", *map(LABELS.get, ROWS)]))
     for label, cells in lines:
         print(f"{label:52s} " + " ".join(f"{cell:>12s}" for cell in cells))

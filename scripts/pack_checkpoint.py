@@ -6,8 +6,13 @@ float16 scale per group of 64 weights in a row (about a seventh of float32); unp
 a loadable fairseq checkpoint with float32 weights. The demo decodes with the unpacked model, so its greedy and
 blockwise outputs are compared on the very same weights.
 
-  .venv/bin/python scripts/pack_checkpoint.py pack CKPT OUT.pt
+  .venv/bin/python scripts/pack_checkpoint.py pack CKPT OUT.pt [--head-vocab N]
   .venv/bin/python scripts/pack_checkpoint.py unpack OUT.pt CKPT
+
+--head-vocab N records N as the packed model's --head-vocab: the shortlist its heads propose
+over by default. Heads trained over the whole dictionary (--head-vocab 0) learn the rarer
+tokens too, which --blockwise-proposal-lexicon then proposes past a shortlist that keeps a
+batch-1 draft step cheap.
 """
 import argparse
 import os
@@ -35,8 +40,10 @@ def dequantize(packed, scale):
     return (q.view(q.size(0), -1, GROUP) * scale.float().unsqueeze(2)).view(q.size(0), -1)
 
 
-def pack(src, dst):
+def pack(src, dst, head_vocab=None):
     state = torch.load(src, map_location="cpu")
+    if head_vocab is not None:
+        state["cfg"]["model"].head_vocab = head_vocab
     weights, first_name = {}, {}
     for name, tensor in state["model"].items():
         # shared embeddings appear under several names but are one tensor: store it once
@@ -77,10 +84,16 @@ def main():
     ap.add_argument("action", choices=["pack", "unpack"])
     ap.add_argument("src")
     ap.add_argument("dst")
+    ap.add_argument("--head-vocab", type=int, help="pack: the model's --head-vocab from now on (0: the whole dictionary)")
     args = ap.parse_args()
     if not os.path.isfile(args.src):
         raise SystemExit(f"error: not found: {args.src}")
-    (pack if args.action == "pack" else unpack)(args.src, args.dst)
+    if args.head_vocab is not None and (args.action != "pack" or args.head_vocab < 0):
+        raise SystemExit("error: --head-vocab goes with pack, and is 0 or more")
+    if args.action == "pack":
+        pack(args.src, args.dst, args.head_vocab)
+    else:
+        unpack(args.src, args.dst)
     print(f"{args.dst}: {os.path.getsize(args.dst) / 2**20:.1f} MiB")
 
 

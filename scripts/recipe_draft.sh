@@ -9,15 +9,24 @@
 # Training unrolls the draft's first 3 steps (--draft-train-heads 4), decoding all 7: a
 # step's self-attention reads every step before it, so 3 steps cost less than half of 7
 # an update, and the later steps run the same layer (docs/draft.md measures both).
+# FULL_HOURS=H then goes on from that draft for H more hours with its loss over the whole
+# dictionary (--head-vocab 0, lr 5e-4) in SAVE-full: the draft learns the rarer tokens that
+# a proposal lexicon (scripts/proposal_lexicon.py) lets it propose past its shortlist.
 # Usage: [BASE=work/demo/checkpoint.pt] [DATA=work/heads-data/all] [SAVE=work/heads-draft] [HOURS=1]
-#        scripts/recipe_draft.sh [fairseq-train flags...]
+#        [FULL_HOURS=0] scripts/recipe_draft.sh [fairseq-train flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-work}; BASE=${BASE:-$WORK/demo/checkpoint.pt}; DATA=${DATA:-$WORK/heads-data/all}
-SAVE=${SAVE:-$WORK/heads-draft}; HOURS=${HOURS:-1}
+SAVE=${SAVE:-$WORK/heads-draft}; HOURS=${HOURS:-1}; FULL_HOURS=${FULL_HOURS:-0}
 [ -f "$DATA/train.de-en.en.bin" ] || { echo "error: no self-distilled pairs in $DATA: scripts/recipe_chained.sh makes them" >&2; exit 1; }
 # bfloat16 head projections only where the machine computes them natively: elsewhere torch
 # falls back to a reference matrix product many times slower than float32.
 BF16=$(.venv/bin/python -c "from fairseq_bpd.speedup_steps import bf16_is_fast; print('--head-loss-bf16' if bf16_is_fast(cpu=False) else '')")
-scripts/train_heads.sh "$DATA" "$BASE" "$SAVE" 8 frozen --head-type draft --head-vocab 2000 --draft-train-heads 4 \
-  $BF16 --max-tokens 4096 --validate-interval-updates 250 --stop-time-hours "$HOURS" "$@"
+DRAFT=(--head-type draft --draft-train-heads 4 $BF16 --max-tokens 4096 --validate-interval-updates 250)
+# Not exec'd: the whole-dictionary step may follow.
+scripts/train_heads.sh "$DATA" "$BASE" "$SAVE" 8 frozen "${DRAFT[@]}" --head-vocab 2000 --stop-time-hours "$HOURS" "$@"
+[ "$FULL_HOURS" = 0 ] && exit 0
+# Its own clock and resume: it starts from the draft above (fairseq's --finetune-from-model
+# reads every weight, the base's and the draft's), at a quarter of the learning rate.
+scripts/train_heads.sh "$DATA" "$SAVE/checkpoint_last.pt" "$SAVE-full" 8 frozen "${DRAFT[@]}" --head-vocab 0 \
+  --lr 5e-4 --stop-time-hours "$FULL_HOURS" "$@"

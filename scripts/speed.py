@@ -20,14 +20,16 @@ Each --rows entry is a decoder spec, KIND[:VALUE] then options after commas:
 
 Options are BlockwiseOptions' fields: width:8,topk=2  k,proposal_vocab=2000,confidence=0.3
 width:3,min_block=2  sampling,temperature=0.7,sampling_topp=0.9; ctranslate2 takes
-compute_type=int8. Per batch size every decoder decodes the same sentences in turn, round
+compute_type=int8. --proposal-lexicon FILE gives every blockwise row without its own
+proposal_lexicon option that lexicon (--blockwise-proposal-lexicon; a draft's), read once. Per batch size every decoder decodes the same sentences in turn, round
 by round, after a warm-up, and its time is the median over --repeats rounds (bench.Timer);
 a blockwise decoder is built anew each round, so an adaptive one learns from nothing each
 time, as a fresh fairseq-generate does. Writes OUT.json and OUT.md, naming the device,
 threads and commit. Decodes on the GPU when torch sees one (--cpu: the CPU).
 
   .venv/bin/python scripts/speed.py --data DATA --path CKPT --rows greedy width:1 width:3 k adaptive \
-      tree:16 [--batch-sizes 1 32] [--max-sentences N] [--repeats 3] [--threads N] [--tree-rates FILE] --out OUT
+      tree:16 [--batch-sizes 1 32] [--max-sentences N] [--repeats 3] [--threads N] [--tree-rates FILE] \
+      [--proposal-lexicon FILE] --out OUT
 """
 import argparse
 import functools
@@ -40,6 +42,7 @@ import tempfile
 import torch
 
 from fairseq_bpd import bench
+from fairseq_bpd.lexicon import ProposalLexicon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Each kind's options from its VALUE (None when not given) and the checkpoint's k.
@@ -167,9 +170,28 @@ def decoders(parsed, model, task, args, device, workdir, notes):
                     functools.partial(fairseq_generator, task, model, sampling=True, **shared), model, seed))
             if options.get("tree") and args.tree_rates:
                 options = {"tree_rates": args.tree_rates, **options}
+            if isinstance(options.get("proposal_lexicon"), str):  # read once, not every round
+                options = {**options, "proposal_lexicon": read_once(options["proposal_lexicon"])}
             build = functools.partial(bench.blockwise_generator, model, task.target_dictionary, {**lengths, **options})
             made[spec] = bench.Decoder(build, model, seed)
     return made
+
+
+def give_lexicon(parsed, path):
+    """--proposal-lexicon: every blockwise row of `parsed` without a lexicon of its own gets `path`."""
+    for kind, options in parsed.values():
+        if kind == "blockwise":
+            options.setdefault("proposal_lexicon", path)
+
+
+@functools.lru_cache(maxsize=None)
+def read_once(path):
+    """The ProposalLexicon in `path`, read and bound once for all rounds and rows, as one
+    fairseq-generate reads it once."""
+    try:
+        return ProposalLexicon.load(path)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def rows(batch_size, timings, parsed, score):
@@ -203,6 +225,7 @@ def main():
     ap.add_argument("--max-sentences", type=int, default=None, help="the first N of --subset (default: all)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds; times are their medians")
     ap.add_argument("--tree-rates", help="scripts/tree_rates.py's file, for the tree rows")
+    ap.add_argument("--proposal-lexicon", help="--blockwise-proposal-lexicon for every blockwise row (a draft's)")
     ap.add_argument("--seed", type=int, default=1, help="torch's seed before every sampling run")
     ap.add_argument("--examples", type=int, default=0, help="also write the first N sentences' outputs")
     bench.add_device_args(ap)
@@ -210,9 +233,13 @@ def main():
     args = ap.parse_args()
     for spec in args.rows:  # a malformed spec is refused before the model loads (any k will do)
         parse_spec(spec, 0)
+    if args.proposal_lexicon:  # so is an unreadable lexicon
+        read_once(args.proposal_lexicon)
     model, task, device, load_seconds = bench.setup(args)
     task.cfg.blockwise = False  # the baseline is fairseq's own search, whatever the checkpoint trained with
     parsed = {spec: parse_spec(spec, bench.full_width(model)) for spec in args.rows}
+    if args.proposal_lexicon:
+        give_lexicon(parsed, args.proposal_lexicon)
     references = bench.raw_lines(args.data, args.subset, task.cfg.target_lang)
     if references:
         detok = bench.detokenizer(task)

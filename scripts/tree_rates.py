@@ -10,7 +10,11 @@ x ranks, ...} as JSON beside the checkpoint (CKPT without .pt, plus .tree-rates.
 for --blockwise-tree-rates.
 
   .venv/bin/python scripts/tree_rates.py --data DATA --path CKPT [--subset valid] \
-      [--max-sentences 500] [--batch-size 32] [--out FILE]
+      [--max-sentences 500] [--batch-size 32] [--proposal-lexicon FILE] [--out FILE]
+
+Under --proposal-lexicon the proposals range over what decoding with
+--blockwise-proposal-lexicon gives each batch: the shortlist and the rarer tokens its
+source words bring.
 """
 import argparse
 import json
@@ -20,7 +24,7 @@ import torch
 from fairseq.data import data_utils
 
 from fairseq_bpd.bench import add_data_args, batches, load
-from fairseq_bpd.heads import best_tokens
+from fairseq_bpd.heads import best_tokens, decoding_logits
 from fairseq_bpd.options import BlockwiseOptions
 from fairseq_bpd.tree import MAX_RANK
 
@@ -30,10 +34,25 @@ def beside(path):
     return os.path.splitext(path)[0] + ".tree-rates.json"
 
 
+def ranked_tokens(decoder, heads, vocab, ranks):
+    """The `ranks` best proposals of features ... x C: tokens ... x ranks.
+
+    vocab: N (the first N entries; 0: all) or a batch's ProposalVocabulary, whose proposals
+    are the best of its tokens: the whole dictionary's logits with every other token's at
+    -inf (the draft decodes only its columns; the ranking is the same)."""
+    if isinstance(vocab, int):
+        return best_tokens(decoder, heads, vocab, ranks)[0]
+    logits = decoding_logits(decoder, heads, 0)
+    outside = torch.ones(logits.size(-1), dtype=torch.bool, device=logits.device)
+    outside[vocab.ids] = False
+    return logits.masked_fill(outside, float("-inf")).topk(ranks, dim=-1)[1]
+
+
 @torch.no_grad()
 def count_hits(model, net_input, outputs, proposal_vocab=0, ranks=MAX_RANK):
     """Hits and trials per head and rank, teacher-forced on `outputs` (token lists, EOS last)
-    as the translations of the batch `net_input`.
+    as the translations of the batch `net_input`; proposal_vocab: an int (the first N
+    entries; 0: all) or the batch's ProposalVocabulary.
 
     Returns hits: k-1 x ranks (head h+2's rank-r proposal was the token h+1 steps on) and
     trials: k-1 (positions with a token h+1 steps on).
@@ -49,7 +68,7 @@ def count_hits(model, net_input, outputs, proposal_vocab=0, ranks=MAX_RANK):
     # Teacher-forced on greedy's path: chained heads read its tokens, as a tree's node reads
     # its parent's token, which is greedy's wherever the parent is accepted.
     heads = decoder.heads.block_features(features, k, previous, encoder_out)[:, :, 1:]  # B x T x k-1 x C
-    tokens, _ = best_tokens(decoder, heads, proposal_vocab, ranks)  # B x T x k-1 x ranks
+    tokens = ranked_tokens(decoder, heads, proposal_vocab, ranks)  # B x T x k-1 x ranks
     hits = torch.zeros(k - 1, tokens.size(-1), dtype=torch.long)
     trials = torch.zeros(k - 1, dtype=torch.long)
     for h in range(k - 1):
@@ -66,6 +85,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-sentences", type=int, default=500)
     ap.add_argument("--proposal-vocab", type=int, default=0, help="as --blockwise-proposal-vocab (0: the checkpoint's)")
+    ap.add_argument("--proposal-lexicon", help="as --blockwise-proposal-lexicon: a JSON lexicon of scripts/proposal_lexicon.py")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", help="default: beside the checkpoint, " + beside("CKPT.pt"))
     args = ap.parse_args()
@@ -78,18 +98,21 @@ def main():
     k = model.decoder.proposal_heads
     if k < 2:
         raise SystemExit(f"error: {args.path} has no proposal heads to measure (k={k})")
-    generator = BlockwiseOptions(block_size=k, proposal_vocab=args.proposal_vocab).generator(model, task.target_dictionary)
+    options = BlockwiseOptions(block_size=k, proposal_vocab=args.proposal_vocab, proposal_lexicon=args.proposal_lexicon)
+    generator = options.generator(model, task.target_dictionary)
     hits = torch.zeros(k - 1, MAX_RANK, dtype=torch.long)
     trials = torch.zeros(k - 1, dtype=torch.long)
     for sample in samples:
         outputs = [h[0]["tokens"] for h in generator.generate([model], sample)]
-        h, t = count_hits(model, sample["net_input"], outputs, generator.proposal_vocab)
+        vocab = generator.vocabulary(sample["net_input"]["src_tokens"])
+        h, t = count_hits(model, sample["net_input"], outputs, vocab)
         hits[:, : h.size(1)] += h
         trials += t
     rates = (hits.double() / trials.clamp(min=1)[:, None].double()).tolist()
     result = {"rates": [[round(p, 5) for p in row] for row in rates], "checkpoint": args.path,
               "subset": args.subset, "sentences": sum(len(s["id"]) for s in samples),
-              "positions": trials.tolist(), "proposal_vocab": generator.proposal_vocab}
+              "positions": trials.tolist(), "proposal_vocab": generator.proposal_vocab,
+              "proposal_lexicon": args.proposal_lexicon}
     out = args.out or beside(args.path)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

@@ -249,3 +249,39 @@ def test_speed_script_on_the_superres_task_decodes_whole_images(tmp_path):
     assert rows["greedy"]["invocations"] == 4 * 65  # 64 pixels and EOS an image, as the task fixes them
     assert rows["k"]["identical"] == 4 and rows["distance:2"]["options"]["distance"] == 2.0
     assert rows["distance:2"]["invocations"] <= rows["k"]["invocations"]
+
+
+def test_speed_script_refuses_an_unreadable_lexicon_by_name_before_decoding(tiny, tmp_path):
+    bad = tmp_path / "lexicon.json"
+    bad.write_text('{"format": "something else"}')
+    for path in (bad, tmp_path / "missing.json"):
+        process = subprocess.run([sys.executable, SPEED, "--data", tiny.data, "--path", tiny.checkpoint,
+                                  "--rows", "greedy", "width:2", "--proposal-lexicon", path, "--out", tmp_path / "x"],
+                                 capture_output=True, text=True, env=ENV, timeout=300)
+        assert process.returncode != 0 and f"--blockwise-proposal-lexicon {path}" in process.stderr
+        assert not (tmp_path / "x.json").exists()
+
+
+def test_speed_script_gives_the_lexicon_to_blockwise_rows_only_and_reads_it_once(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import speed as script
+    from fairseq_bpd.lexicon import FORMAT, ProposalLexicon
+
+    path = tmp_path / "lexicon.json"
+    path.write_text(json.dumps({"format": FORMAT, "first": 5, "table": {"a": ["b"]}}))
+    script.read_once.cache_clear()
+    first = script.read_once(str(path))
+    assert isinstance(first, ProposalLexicon) and script.read_once(str(path)) is first
+    made = []
+    monkeypatch.setattr(script.bench, "Decoder", lambda build, model, seed=None: made.append(build.args[2]) or build)
+    monkeypatch.setattr(script, "fairseq_generator", lambda *a, **k: None)
+    args = SimpleNamespace(tree_rates=None, seed=1)
+    parsed = {spec: script.parse_spec(spec, 3) for spec in ("greedy", "width:2", "k,proposal_lexicon=other.json")}
+    script.give_lexicon(parsed, str(path))
+    assert "proposal_lexicon" not in parsed["greedy"][1]
+    assert parsed["k,proposal_lexicon=other.json"][1]["proposal_lexicon"] == "other.json"  # a row's own wins
+    parsed = {"width:2": parsed["width:2"], "k": ("blockwise", {"block_size": 3})}
+    script.decoders(parsed, None, SimpleNamespace(target_dictionary=None), args, None, str(tmp_path), set())
+    made = made[1:]  # greedy first
+    assert made[0]["proposal_lexicon"] is first and "proposal_lexicon" not in made[1]
+    assert parsed["width:2"][1]["proposal_lexicon"] == str(path)  # the table records the path

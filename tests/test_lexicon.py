@@ -317,3 +317,31 @@ def test_the_script_counts_companions_in_training_pairs(tmp_path):
                           ((data, tmp_path / "nowhere" / "lexicon.json"), "cannot write")):
         failed = run_script(*args)
         assert failed.returncode != 0 and message in failed.stderr, failed.stderr
+
+
+def test_tree_rates_rank_the_batch_vocabulary_under_a_lexicon(data_dir):
+    """scripts/tree_rates.py --proposal-lexicon counts a head's rank-r hit only where its
+    rank-r proposal over the batch vocabulary (the whole dictionary's logits with every other
+    token's -inf) is greedy's token: a lexicon of every word counts as the whole dictionary,
+    a partial one as its masked ranking."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from tree_rates import count_hits, ranked_tokens
+
+    task, model, _ = draft(data_dir, 4, seed=4)
+    d, src = task.target_dictionary, task.source_dictionary
+    sample = random_sample(task, bsz=5, seed=4)
+    src_tokens = sample["net_input"]["src_tokens"]
+    outputs = [e["tokens"] for e in greedy(model, task, sample, max_len_b=8)]
+    whole = every_word_adds(task, list(range(FIRST, len(d)))).vocabulary(src_tokens, FIRST, src, d)
+    assert torch.equal(count_hits(model, sample["net_input"], outputs, whole)[0],
+                       count_hits(model, sample["net_input"], outputs, 0)[0])
+    vocab = lexicon_of(task, {s: [FIRST + (s % 7) * 2] for s in range(4, 28)}).vocabulary(src_tokens, FIRST, src, d)
+    allowed = set(vocab.ids.tolist())
+    assert len(allowed) < len(d) - 1
+    features = torch.randn(2, 6, 3, model.decoder.embed_tokens.weight.size(1), dtype=torch.float64)
+    with torch.no_grad():
+        ranked = ranked_tokens(model.decoder, features, vocab, 3)
+        logits = model.decoder.project(features)
+    logits[..., d.pad()] = -math.inf
+    assert torch.equal(ranked, masked_to(allowed, logits).topk(3, dim=-1)[1])
+    assert set(ranked.flatten().tolist()) <= allowed and bool((ranked >= FIRST).any())

@@ -1,0 +1,52 @@
+"""scripts/pack_checkpoint.py: 4-bit weights that unpack within a quantization step, shared
+tensors stored once, and --head-vocab recorded as the packed model's shortlist."""
+import argparse
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from pack_checkpoint import GROUP, pack, unpack  # noqa: E402
+
+
+def checkpoint(path, head_vocab=0):
+    torch.manual_seed(0)
+    embed = torch.randn(40, 2 * GROUP)
+    state = {"model": {"embed": embed, "out": embed, "fc": torch.randn(8, GROUP), "bias": torch.randn(8)},
+             "cfg": {"model": argparse.Namespace(head_vocab=head_vocab, block_size=8)},
+             "optimizer_history": [], "last_optimizer_state": {"exp_avg": torch.randn(3)}}
+    torch.save(state, path)
+    return state
+
+
+def test_packing_keeps_the_weights_and_records_the_shortlist(tmp_path):
+    original = checkpoint(tmp_path / "full.pt")
+    for head_vocab, wanted in ((None, 0), (2000, 2000)):
+        pack(tmp_path / "full.pt", tmp_path / "packed.pt", head_vocab)
+        unpack(tmp_path / "packed.pt", str(tmp_path / "restored.pt"))
+        restored = torch.load(tmp_path / "restored.pt", weights_only=False)
+        assert restored["cfg"]["model"].head_vocab == wanted and restored["cfg"]["model"].block_size == 8
+        model = restored["model"]
+        assert model["out"] is model["embed"]  # stored once, one tensor again
+        for name in ("embed", "fc"):
+            step = original["model"][name].abs().view(-1, GROUP).amax(dim=1) / 7  # one 4-bit step per group
+            error = (model[name] - original["model"][name]).abs().view(-1, GROUP).amax(dim=1)
+            assert bool((error <= step * 0.5 + 1e-3).all()) and bool(error.gt(0).any())
+        assert torch.allclose(model["bias"], original["model"]["bias"], atol=1e-2)  # float16
+        assert restored["last_optimizer_state"] is None
+    assert torch.load(tmp_path / "full.pt", weights_only=False)["cfg"]["model"].head_vocab == 0  # source untouched
+
+
+def test_the_script_refuses_a_misplaced_head_vocab(tmp_path):
+    checkpoint(tmp_path / "full.pt")
+    script = [sys.executable, os.path.join(ROOT, "scripts", "pack_checkpoint.py")]
+    for argv in (["unpack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "5"],
+                 ["pack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "-1"]):
+        done = subprocess.run([*script, *map(str, argv)], capture_output=True, text=True)
+        assert done.returncode != 0 and "--head-vocab" in done.stderr and not (tmp_path / "x.pt").exists()
+    done = subprocess.run([*script, "pack", str(tmp_path / "missing.pt"), str(tmp_path / "x.pt")],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "missing.pt" in done.stderr
