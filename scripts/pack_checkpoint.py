@@ -40,10 +40,22 @@ def dequantize(packed, scale):
     return (q.view(q.size(0), -1, GROUP) * scale.float().unsqueeze(2)).view(q.size(0), -1)
 
 
+def head_vocab_of(model, head_vocab):
+    """`head_vocab` if the model's output projection has that many entries past fairseq's four
+    special symbols (0: all), as the model checks when it loads; else SystemExit, before anything is written."""
+    rows = next((model[name].size(0) for name in ("decoder.output_projection.weight", "decoder.embed_tokens.weight")
+                 if name in model), None)
+    special = 4  # fairseq's Dictionary: <s>, <pad>, </s>, <unk>
+    if rows is None or not (head_vocab == 0 or special < head_vocab <= rows):
+        raise SystemExit(f"error: --head-vocab must be 0 (all) or between {special + 1} and the output "
+                         f"projection's {rows} entries (got {head_vocab})")
+    return head_vocab
+
+
 def pack(src, dst, head_vocab=None):
     state = torch.load(src, map_location="cpu")
     if head_vocab is not None:
-        state["cfg"]["model"].head_vocab = head_vocab
+        state["cfg"]["model"].head_vocab = head_vocab_of(state["model"], head_vocab)
     weights, first_name = {}, {}
     for name, tensor in state["model"].items():
         # shared embeddings appear under several names but are one tensor: store it once

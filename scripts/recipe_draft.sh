@@ -11,13 +11,21 @@
 # an update, and the later steps run the same layer (docs/draft.md measures both).
 # FULL_HOURS=H then goes on from that draft for H more hours with its loss over the whole
 # dictionary (--head-vocab 0, lr 5e-4) in SAVE-full: the draft learns the rarer tokens that
-# a proposal lexicon (scripts/proposal_lexicon.py) lets it propose past its shortlist.
+# a proposal lexicon (scripts/proposal_lexicon.py) lets it propose past its shortlist. Its
+# checkpoints decode over the whole dictionary: pack with --head-vocab 2000
+# (scripts/pack_checkpoint.py), or decode with --blockwise-proposal-vocab 2000, for the
+# shortlist and the lexicon. The flags given go to both steps, before the second's own.
 # Usage: [BASE=work/demo/checkpoint.pt] [DATA=work/heads-data/all] [SAVE=work/heads-draft] [HOURS=1]
 #        [FULL_HOURS=0] scripts/recipe_draft.sh [fairseq-train flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-work}; BASE=${BASE:-$WORK/demo/checkpoint.pt}; DATA=${DATA:-$WORK/heads-data/all}
-SAVE=${SAVE:-$WORK/heads-draft}; HOURS=${HOURS:-1}; FULL_HOURS=${FULL_HOURS:-0}
+SAVE=${SAVE:-$WORK/heads-draft}; SAVE=${SAVE%/}; HOURS=${HOURS:-1}; FULL_HOURS=${FULL_HOURS:-0}
+# fairseq reads --stop-time-hours 0 as no limit: refuse what is not a positive number of hours.
+positive() { awk -v h="$1" 'BEGIN { exit !(h ~ /^[0-9]*\.?[0-9]+$/ && h + 0 > 0) }'; }
+positive "$HOURS" || { echo "error: HOURS must be a positive number of hours, not '$HOURS'" >&2; exit 2; }
+positive "$FULL_HOURS" || awk -v h="$FULL_HOURS" 'BEGIN { exit !(h ~ /^0*\.?0*$/) }' \
+  || { echo "error: FULL_HOURS must be 0 (no second step) or a positive number of hours, not '$FULL_HOURS'" >&2; exit 2; }
 [ -f "$DATA/train.de-en.en.bin" ] || { echo "error: no self-distilled pairs in $DATA: scripts/recipe_chained.sh makes them" >&2; exit 1; }
 # bfloat16 head projections only where the machine computes them natively: elsewhere torch
 # falls back to a reference matrix product many times slower than float32.
@@ -25,8 +33,18 @@ BF16=$(.venv/bin/python -c "from fairseq_bpd.speedup_steps import bf16_is_fast; 
 DRAFT=(--head-type draft --draft-train-heads 4 $BF16 --max-tokens 4096 --validate-interval-updates 250)
 # Not exec'd: the whole-dictionary step may follow.
 scripts/train_heads.sh "$DATA" "$BASE" "$SAVE" 8 frozen "${DRAFT[@]}" --head-vocab 2000 --stop-time-hours "$HOURS" "$@"
-[ "$FULL_HOURS" = 0 ] && exit 0
-# Its own clock and resume: it starts from the draft above (fairseq's --finetune-from-model
-# reads every weight, the base's and the draft's), at a quarter of the learning rate.
-scripts/train_heads.sh "$DATA" "$SAVE/checkpoint_last.pt" "$SAVE-full" 8 frozen "${DRAFT[@]}" --head-vocab 0 \
-  --lr 5e-4 --stop-time-hours "$FULL_HOURS" "$@"
+positive "$FULL_HOURS" || exit 0
+# It starts from the draft above (fairseq's --finetune-from-model reads every weight, the
+# base's and the draft's), at a quarter of the learning rate, on a clock of its own: the
+# checkpoint's training time would count towards its --stop-time-hours, so it starts from a
+# copy without it. Once SAVE-full has a checkpoint_last.pt, fairseq resumes that instead.
+START=$SAVE-full/start.pt
+if [ ! -f "$SAVE-full/checkpoint_last.pt" ]; then
+  mkdir -p "$SAVE-full"
+  .venv/bin/python -c "import sys, torch, fairseq_bpd
+state = torch.load(sys.argv[1], map_location='cpu')
+state.get('extra_state', {}).pop('previous_training_time', None)
+torch.save(state, sys.argv[2])" "$SAVE/checkpoint_last.pt" "$START"
+fi
+scripts/train_heads.sh "$DATA" "$START" "$SAVE-full" 8 frozen "${DRAFT[@]}" "$@" --head-vocab 0 \
+  --lr 5e-4 --stop-time-hours "$FULL_HOURS"

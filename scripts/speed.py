@@ -42,6 +42,7 @@ import tempfile
 import torch
 
 from fairseq_bpd import bench
+from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.lexicon import ProposalLexicon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -177,6 +178,21 @@ def decoders(parsed, model, task, args, device, workdir, notes):
     return made
 
 
+def refuse_early(parsed, model, task):
+    """Build each blockwise row's generator once, so that a row the model cannot decode (a
+    lexicon for heads that read none, a flag it refuses) is refused by name before any
+    decoder is timed."""
+    for spec, (kind, options) in parsed.items():
+        if kind != "blockwise":
+            continue
+        if isinstance(options.get("proposal_lexicon"), str):
+            options = {**options, "proposal_lexicon": read_once(options["proposal_lexicon"])}
+        try:
+            bench.blockwise_generator(model, task.target_dictionary, options)
+        except BlockwiseRequestError as error:
+            raise SystemExit(f"error: --rows {spec}: {error}") from None
+
+
 def give_lexicon(parsed, path):
     """--proposal-lexicon: every blockwise row of `parsed` without a lexicon of its own gets `path`."""
     for kind, options in parsed.values():
@@ -240,6 +256,7 @@ def main():
     parsed = {spec: parse_spec(spec, bench.full_width(model)) for spec in args.rows}
     if args.proposal_lexicon:
         give_lexicon(parsed, args.proposal_lexicon)
+    refuse_early(parsed, model, task)
     references = bench.raw_lines(args.data, args.subset, task.cfg.target_lang)
     if references:
         detok = bench.detokenizer(task)

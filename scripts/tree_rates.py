@@ -24,8 +24,9 @@ import torch
 from fairseq.data import data_utils
 
 from fairseq_bpd.bench import add_data_args, batches, load
+from fairseq_bpd.errors import BlockwiseRequestError
 from fairseq_bpd.heads import best_tokens, decoding_logits
-from fairseq_bpd.options import BlockwiseOptions
+from fairseq_bpd.options import BlockwiseOptions, read_lexicon
 from fairseq_bpd.tree import MAX_RANK
 
 
@@ -39,13 +40,11 @@ def ranked_tokens(decoder, heads, vocab, ranks):
 
     vocab: N (the first N entries; 0: all) or a batch's ProposalVocabulary, whose proposals
     are the best of its tokens: the whole dictionary's logits with every other token's at
-    -inf (the draft decodes only its columns; the ranking is the same)."""
+    -inf, as the draft ranks its columns (ids in order: the first of tied tokens first)."""
     if isinstance(vocab, int):
         return best_tokens(decoder, heads, vocab, ranks)[0]
-    logits = decoding_logits(decoder, heads, 0)
-    outside = torch.ones(logits.size(-1), dtype=torch.bool, device=logits.device)
-    outside[vocab.ids] = False
-    return logits.masked_fill(outside, float("-inf")).topk(ranks, dim=-1)[1]
+    logits = decoding_logits(decoder, heads, 0).index_select(-1, vocab.ids)  # ... x its columns
+    return vocab.tokens(logits.topk(min(ranks, vocab.size()), dim=-1)[1])
 
 
 @torch.no_grad()
@@ -93,13 +92,21 @@ def main():
         torch.set_num_threads(args.threads)
     if not os.path.exists(args.path):
         raise SystemExit(f"error: checkpoint not found: {args.path}")
+    lexicon = None
+    if args.proposal_lexicon:  # refused before the model loads
+        lexicon, problem = read_lexicon(args.proposal_lexicon)
+        if problem:
+            raise SystemExit(f"error: {problem}")
     model, task, _ = load(args.path, args.data)
     samples = batches(task, args.subset, args.batch_size, args.max_sentences)
     k = model.decoder.proposal_heads
     if k < 2:
         raise SystemExit(f"error: {args.path} has no proposal heads to measure (k={k})")
-    options = BlockwiseOptions(block_size=k, proposal_vocab=args.proposal_vocab, proposal_lexicon=args.proposal_lexicon)
-    generator = options.generator(model, task.target_dictionary)
+    try:
+        options = BlockwiseOptions(block_size=k, proposal_vocab=args.proposal_vocab, proposal_lexicon=lexicon)
+        generator = options.generator(model, task.target_dictionary)
+    except BlockwiseRequestError as error:  # a lexicon for heads that read none, a shortlist too long...
+        raise SystemExit(f"error: {error}") from None
     hits = torch.zeros(k - 1, MAX_RANK, dtype=torch.long)
     trials = torch.zeros(k - 1, dtype=torch.long)
     for sample in samples:

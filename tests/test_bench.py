@@ -285,3 +285,23 @@ def test_speed_script_gives_the_lexicon_to_blockwise_rows_only_and_reads_it_once
     made = made[1:]  # greedy first
     assert made[0]["proposal_lexicon"] is first and "proposal_lexicon" not in made[1]
     assert parsed["width:2"][1]["proposal_lexicon"] == str(path)  # the table records the path
+
+
+def test_a_lexicon_for_heads_that_read_none_is_refused_by_name_before_timing(tiny, tmp_path):
+    """speed.py and tree_rates.py refuse --proposal-lexicon for the tiny model's independent
+    heads by the row or flag, with fairseq's refusal, before decoding anything."""
+    from fairseq_bpd.lexicon import FORMAT
+
+    lexicon = tmp_path / "lexicon.json"
+    lexicon.write_text(json.dumps({"format": FORMAT, "first": 5, "table": {"a": ["b"]}}))
+    process = subprocess.run([sys.executable, SPEED, "--data", tiny.data, "--path", tiny.checkpoint, "--rows",
+                              "greedy", "width:2", "--proposal-lexicon", lexicon, "--out", tmp_path / "x"],
+                             capture_output=True, text=True, env=ENV, timeout=300)
+    assert process.returncode != 0 and "error: --rows width:2:" in process.stderr
+    assert "--blockwise-proposal-lexicon" in process.stderr and "Traceback" not in process.stderr
+    assert "greedy" not in process.stdout.split("load seconds")[-1]  # no row was timed
+    rates = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tree_rates.py"), "--data", tiny.data,
+                            "--path", tiny.checkpoint, "--proposal-lexicon", lexicon, "--out", tmp_path / "r.json"],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+    assert rates.returncode != 0 and "--blockwise-proposal-lexicon" in rates.stderr
+    assert "Traceback" not in rates.stderr and not (tmp_path / "r.json").exists()

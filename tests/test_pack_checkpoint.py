@@ -15,7 +15,7 @@ from pack_checkpoint import GROUP, pack, unpack  # noqa: E402
 def checkpoint(path, head_vocab=0):
     torch.manual_seed(0)
     embed = torch.randn(40, 2 * GROUP)
-    state = {"model": {"embed": embed, "out": embed, "fc": torch.randn(8, GROUP), "bias": torch.randn(8)},
+    state = {"model": {"decoder.embed_tokens.weight": embed, "decoder.output_projection.weight": embed, "fc": torch.randn(8, GROUP), "bias": torch.randn(8)},
              "cfg": {"model": argparse.Namespace(head_vocab=head_vocab, block_size=8)},
              "optimizer_history": [], "last_optimizer_state": {"exp_avg": torch.randn(3)}}
     torch.save(state, path)
@@ -24,14 +24,15 @@ def checkpoint(path, head_vocab=0):
 
 def test_packing_keeps_the_weights_and_records_the_shortlist(tmp_path):
     original = checkpoint(tmp_path / "full.pt")
-    for head_vocab, wanted in ((None, 0), (2000, 2000)):
+    for head_vocab, wanted in ((None, 0), (30, 30)):
         pack(tmp_path / "full.pt", tmp_path / "packed.pt", head_vocab)
         unpack(tmp_path / "packed.pt", str(tmp_path / "restored.pt"))
         restored = torch.load(tmp_path / "restored.pt", weights_only=False)
         assert restored["cfg"]["model"].head_vocab == wanted and restored["cfg"]["model"].block_size == 8
         model = restored["model"]
-        assert model["out"] is model["embed"]  # stored once, one tensor again
-        for name in ("embed", "fc"):
+        embed = model["decoder.embed_tokens.weight"]
+        assert model["decoder.output_projection.weight"] is embed  # stored once, one tensor again
+        for name in ("decoder.embed_tokens.weight", "fc"):
             step = original["model"][name].abs().view(-1, GROUP).amax(dim=1) / 7  # one 4-bit step per group
             error = (model[name] - original["model"][name]).abs().view(-1, GROUP).amax(dim=1)
             assert bool((error <= step * 0.5 + 1e-3).all()) and bool(error.gt(0).any())
@@ -44,7 +45,9 @@ def test_the_script_refuses_a_misplaced_head_vocab(tmp_path):
     checkpoint(tmp_path / "full.pt")
     script = [sys.executable, os.path.join(ROOT, "scripts", "pack_checkpoint.py")]
     for argv in (["unpack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "5"],
-                 ["pack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "-1"]):
+                 ["pack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "-1"],
+                 ["pack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "41"],  # past the 40 entries
+                 ["pack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "3"]):  # a special symbol
         done = subprocess.run([*script, *map(str, argv)], capture_output=True, text=True)
         assert done.returncode != 0 and "--head-vocab" in done.stderr and not (tmp_path / "x.pt").exists()
     done = subprocess.run([*script, "pack", str(tmp_path / "missing.pt"), str(tmp_path / "x.pt")],
