@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fairseq_bpd  # noqa: E402,F401  (allow-lists the checkpoint globals)
+from fairseq_bpd.heads import shortlist_problem  # noqa: E402
 
 
 GROUP = 64
@@ -40,15 +41,29 @@ def dequantize(packed, scale):
     return (q.view(q.size(0), -1, GROUP) * scale.float().unsqueeze(2)).view(q.size(0), -1)
 
 
+class ProjectionRows:
+    """What shortlist_problem reads of a dictionary, from the output projection's rows: its
+    length, and fairseq's four special symbols (<s>, <pad>, </s>, <unk>) before the words."""
+
+    nspecial = 4
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return self.rows
+
+
 def head_vocab_of(model, head_vocab):
-    """`head_vocab` if the model's output projection has that many entries past fairseq's four
-    special symbols (0: all), as the model checks when it loads; else SystemExit, before anything is written."""
+    """`head_vocab` where the model accepts it as --head-vocab when it loads (shortlist_problem,
+    on the output projection's rows); else SystemExit, before anything is written."""
     rows = next((model[name].size(0) for name in ("decoder.output_projection.weight", "decoder.embed_tokens.weight")
                  if name in model), None)
-    special = 4  # fairseq's Dictionary: <s>, <pad>, </s>, <unk>
-    if rows is None or not (head_vocab == 0 or special < head_vocab <= rows):
-        raise SystemExit(f"error: --head-vocab must be 0 (all) or between {special + 1} and the output "
-                         f"projection's {rows} entries (got {head_vocab})")
+    if rows is None:
+        raise SystemExit("error: --head-vocab: the checkpoint has no decoder output projection")
+    problem = shortlist_problem("--head-vocab", head_vocab, ProjectionRows(rows))
+    if problem:
+        raise SystemExit(f"error: {problem}")
     return head_vocab
 
 

@@ -43,7 +43,7 @@ import torch
 
 from fairseq_bpd import bench
 from fairseq_bpd.errors import BlockwiseRequestError
-from fairseq_bpd.lexicon import ProposalLexicon
+from fairseq_bpd.options import read_lexicon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Each kind's options from its VALUE (None when not given) and the checkpoint's k.
@@ -169,26 +169,31 @@ def decoders(parsed, model, task, args, device, workdir, notes):
                 shared = {key: options[key] for key in SAMPLING if key in options}
                 made.setdefault(sampling_baseline(options), bench.Decoder(
                     functools.partial(fairseq_generator, task, model, sampling=True, **shared), model, seed))
-            if options.get("tree") and args.tree_rates:
-                options = {"tree_rates": args.tree_rates, **options}
-            if isinstance(options.get("proposal_lexicon"), str):  # read once, not every round
-                options = {**options, "proposal_lexicon": read_once(options["proposal_lexicon"])}
+            options = decoding_options(options, args)
             build = functools.partial(bench.blockwise_generator, model, task.target_dictionary, {**lengths, **options})
             made[spec] = bench.Decoder(build, model, seed)
     return made
 
 
-def refuse_early(parsed, model, task):
+def decoding_options(options, args):
+    """A blockwise row's options as its generators are built with them: --tree-rates for a
+    tree row without rates of its own, and its lexicon read (once, not every round)."""
+    if options.get("tree") and args.tree_rates:
+        options = {"tree_rates": args.tree_rates, **options}
+    if isinstance(options.get("proposal_lexicon"), str):
+        options = {**options, "proposal_lexicon": read_once(options["proposal_lexicon"])}
+    return options
+
+
+def refuse_early(parsed, model, task, args):
     """Build each blockwise row's generator once, so that a row the model cannot decode (a
     lexicon for heads that read none, a flag it refuses) is refused by name before any
     decoder is timed."""
     for spec, (kind, options) in parsed.items():
         if kind != "blockwise":
             continue
-        if isinstance(options.get("proposal_lexicon"), str):
-            options = {**options, "proposal_lexicon": read_once(options["proposal_lexicon"])}
         try:
-            bench.blockwise_generator(model, task.target_dictionary, options)
+            bench.blockwise_generator(model, task.target_dictionary, decoding_options(options, args))
         except BlockwiseRequestError as error:
             raise SystemExit(f"error: --rows {spec}: {error}") from None
 
@@ -204,10 +209,10 @@ def give_lexicon(parsed, path):
 def read_once(path):
     """The ProposalLexicon in `path`, read and bound once for all rounds and rows, as one
     fairseq-generate reads it once."""
-    try:
-        return ProposalLexicon.load(path)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+    lexicon, problem = read_lexicon(path)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    return lexicon
 
 
 def rows(batch_size, timings, parsed, score):
@@ -256,7 +261,7 @@ def main():
     parsed = {spec: parse_spec(spec, bench.full_width(model)) for spec in args.rows}
     if args.proposal_lexicon:
         give_lexicon(parsed, args.proposal_lexicon)
-    refuse_early(parsed, model, task)
+    refuse_early(parsed, model, task, args)
     references = bench.raw_lines(args.data, args.subset, task.cfg.target_lang)
     if references:
         detok = bench.detokenizer(task)
