@@ -32,7 +32,7 @@ from .acceptance import TopK, accepted, along, commit, confident_width, exact_ch
 from .encoder_pass import encode
 from .options import BlockwiseOptions
 from .refusals import refuse_for_model, refuse_prefix
-from .tree import Tree, default_rates
+from .tree import Tree, default_rates, warn_if_measured_otherwise
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,8 @@ class BlockwiseGenerator(nn.Module):
         # nodes, ranked among the tokens the heads may propose (padding never).
         heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
         rates = [row[:ranks] for row in options.tree_rates or default_rates(heads)]
+        if options.tree:
+            warn_if_measured_otherwise(options.tree_rates_over, self.proposal_vocab, self.lexicon is not None)
         self.layout = Tree.best(rates, options.tree, heads) if options.tree else Tree.chain_of(heads)
         self.policy = FixedWidth(self.layout.max_depth + 1)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

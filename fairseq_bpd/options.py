@@ -18,7 +18,7 @@ from fairseq.dataclass.configs import GenerationConfig
 
 from .lexicon import ProposalLexicon
 from .refusals import refuse, refuse_options
-from .tree import is_rate_table, load_rates
+from .tree import is_rate_table, load_rates, measured_over
 
 
 @dataclass
@@ -205,14 +205,19 @@ class BlockwiseOptions:
     # generate(..., attention=True)), sparing the alignment layer's attention weights, which
     # the fused attention kernel cannot give, every invocation.
     attention: bool = True
+    # What a rates file was measured over (tree.measured_over), for the generator's warning
+    # where this decoding proposes over something else; not a setting of its own (a table
+    # given as such, or by replace(), says nothing of where it was measured).
+    tree_rates_over: Optional[tuple] = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         refuse_options(self)
         rates = self.tree_rates
         if isinstance(rates, (str, os.PathLike)):
-            rates, problem = read_rates(rates)
+            path, (rates, problem) = rates, read_rates(rates)
             if problem:  # refused outside the except: a chained refusal prints a traceback
                 refuse(problem)
+            object.__setattr__(self, "tree_rates_over", measured_over(path))
         elif rates is not None and not is_rate_table(rates):
             refuse(f"tree_rates must be a heads x ranks table of rates in [0, 1] (got {rates!r:.80})")
         if rates is not None:  # frozen all the way down: a table the generator cannot change

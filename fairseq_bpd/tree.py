@@ -13,9 +13,12 @@ node whose parent is in the tree, N times, gives the N best paths.
 """
 import heapq
 import json
+import logging
 import math
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Ranks per head a tree may use: beyond ten, rates are too small to be worth a node.
 MAX_RANK = 10
@@ -48,6 +51,37 @@ def load_rates(path):
     if not is_rate_table(rates):
         raise ValueError(f"--blockwise-tree-rates: {path} holds no heads x ranks table of rates in [0, 1]")
     return rates
+
+
+def measured_over(path):
+    """What the rates in `path` (scripts/tree_rates.py's file) were measured over:
+    (proposal_vocab, whether a proposal lexicon widened it), or None where the file does
+    not say. A tree shaped by rates of other proposals is still exact, only shaped for
+    heads that rank differently: the generator warns."""
+    with open(path) as f:
+        data = json.load(f)
+    vocab = data.get("proposal_vocab") if isinstance(data, dict) else None
+    if type(vocab) is not int or "proposal_lexicon" not in data:
+        return None
+    return vocab, data["proposal_lexicon"] is not None
+
+
+def warn_if_measured_otherwise(over, proposal_vocab, lexicon):
+    """Warn where rates measured over `over` (measured_over's pair, or None: unknown) shape
+    a tree for proposals over (proposal_vocab, lexicon): a lexicon or a wider shortlist
+    raises every head's rates, so a tree shaped by the other rates is exact but not the
+    best one for these proposals."""
+    if over is not None and over != (proposal_vocab, lexicon):
+        logger.warning(
+            f"--blockwise-tree-rates were measured over {proposals(*over)}; this decoding proposes over "
+            f"{proposals(proposal_vocab, lexicon)}: the tree stays exact, but its shape may not be the "
+            f"fastest (scripts/tree_rates.py --proposal-vocab/--proposal-lexicon measures the rates for it)")
+
+
+def proposals(vocab, lexicon):
+    """What proposals range over, in words."""
+    where = f"the first {vocab} entries" if vocab else "the whole dictionary"
+    return where + (" and a proposal lexicon" if lexicon else "")
 
 
 def is_rate_table(rates):

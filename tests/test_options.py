@@ -130,3 +130,27 @@ def test_blockwise_flags_without_blockwise_are_named_in_one_warning(data_dir, ca
     with caplog.at_level(logging.WARNING, logger="fairseq_bpd.task"):
         task.build_generator([model], generation_args(beam=1))
     assert not [r for r in caplog.records if "without --blockwise" in r.getMessage()]
+
+
+def test_a_tree_shaped_by_rates_of_other_proposals_is_warned_of(data_dir, tmp_path, caplog):
+    """scripts/tree_rates.py records what its rates were measured over; a tree shaped by
+    rates of other proposals (another shortlist, a lexicon or none) is exact but may not be
+    the fastest, and the generator says so, naming both."""
+    task, model, _ = build(data_dir, "--block-size", "4")  # proposals over the whole dictionary
+    rates = tmp_path / "rates.json"
+
+    def warnings(**measured):
+        rates.write_text(json.dumps({"rates": [[0.9, 0.5]] * 3, **measured}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fairseq_bpd.tree"):
+            BlockwiseOptions(tree=4, tree_rates=str(rates)).generator(model, task.target_dictionary)
+        return [r.getMessage() for r in caplog.records if "--blockwise-tree-rates" in r.getMessage()]
+
+    assert warnings(proposal_vocab=0, proposal_lexicon=None) == []
+    assert warnings() == []  # a file that does not say
+    [shortlist] = warnings(proposal_vocab=6, proposal_lexicon=None)
+    assert "measured over the first 6 entries; this decoding proposes over the whole dictionary" in shortlist
+    [lexicon] = warnings(proposal_vocab=0, proposal_lexicon="lexicon.json")
+    assert "over the whole dictionary and a proposal lexicon; this decoding proposes over the whole dictionary:" in lexicon
+    assert BlockwiseOptions(tree=4, tree_rates=str(rates)).tree_rates_over == (0, True)
+    assert BlockwiseOptions(tree=4, tree_rates=((0.9, 0.5),) * 3).tree_rates_over is None
