@@ -170,7 +170,8 @@ class BlockwiseGenerator(nn.Module):
         heads, ranks = block_size - 1, (self.proposal_vocab or len(tgt_dict)) - 1
         rates = [row[:ranks] for row in options.tree_rates or default_rates(heads)]
         if options.tree:
-            warn_if_measured_otherwise(options.tree_rates_over, self.proposal_vocab, self.lexicon is not None)
+            warn_if_measured_otherwise(options.tree_rates_over, self.proposal_vocab, self.lexicon is not None,
+                                       len(tgt_dict))
         self.layout = Tree.best(rates, options.tree, heads) if options.tree else Tree.chain_of(heads)
         self.policy = FixedWidth(self.layout.max_depth + 1)
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

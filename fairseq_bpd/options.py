@@ -18,7 +18,7 @@ from fairseq.dataclass.configs import GenerationConfig
 
 from .lexicon import ProposalLexicon
 from .refusals import refuse, refuse_options
-from .tree import is_rate_table, load_rates, measured_over
+from .tree import is_rate_table, load_rates_file
 
 
 @dataclass
@@ -205,7 +205,7 @@ class BlockwiseOptions:
     # generate(..., attention=True)), sparing the alignment layer's attention weights, which
     # the fused attention kernel cannot give, every invocation.
     attention: bool = True
-    # What a rates file was measured over (tree.measured_over), for the generator's warning
+    # What a rates file was measured over (tree.load_rates_file), for the generator's warning
     # where this decoding proposes over something else; not a setting of its own (a table
     # given as such, or by replace(), says nothing of where it was measured).
     tree_rates_over: Optional[tuple] = field(default=None, init=False, compare=False, repr=False)
@@ -214,10 +214,10 @@ class BlockwiseOptions:
         refuse_options(self)
         rates = self.tree_rates
         if isinstance(rates, (str, os.PathLike)):
-            path, (rates, problem) = rates, read_rates(rates)
+            (rates, over), problem = read_rates(rates)
             if problem:  # refused outside the except: a chained refusal prints a traceback
                 refuse(problem)
-            object.__setattr__(self, "tree_rates_over", measured_over(path))
+            object.__setattr__(self, "tree_rates_over", over)
         elif rates is not None and not is_rate_table(rates):
             refuse(f"tree_rates must be a heads x ranks table of rates in [0, 1] (got {rates!r:.80})")
         if rates is not None:  # frozen all the way down: a table the generator cannot change
@@ -310,8 +310,9 @@ def read_lexicon(path):
 
 
 def read_rates(path):
-    """The rates table in `path` and None, or None and why it cannot be read."""
+    """((rates table, what it was measured over), None) of the file `path`, or (None, None)
+    and why it cannot be read."""
     try:
-        return load_rates(path), None
+        return load_rates_file(path), None
     except ValueError as error:
-        return None, str(error)
+        return (None, None), str(error)

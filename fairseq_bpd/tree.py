@@ -43,44 +43,58 @@ def default_rates(heads, ranks=MAX_RANK):
 
 def load_rates(path):
     """The rates a scripts/tree_rates.py run wrote: heads x ranks, from a JSON file."""
+    return load_rates_file(path)[0]
+
+
+def load_rates_file(path):
+    """(rates, over) of a scripts/tree_rates.py file, read once (it may be a pipe): the heads x
+    ranks table and what the rates were measured over, (proposal_vocab, whether a proposal
+    lexicon widened it), None where the file does not say. A tree shaped by rates of other
+    proposals is still exact, only shaped for heads that rank differently: the generator
+    warns (warn_if_measured_otherwise)."""
     try:
         with open(path) as f:
-            rates = json.load(f)["rates"]
+            data = json.load(f)
+        rates = data["rates"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"--blockwise-tree-rates: cannot read rates from {path} ({error})") from None
     if not is_rate_table(rates):
         raise ValueError(f"--blockwise-tree-rates: {path} holds no heads x ranks table of rates in [0, 1]")
-    return rates
+    vocab = data.get("proposal_vocab")
+    known = type(vocab) is int and vocab >= 0 and "proposal_lexicon" in data
+    return rates, (vocab, bool(data["proposal_lexicon"])) if known else None
 
 
-def measured_over(path):
-    """What the rates in `path` (scripts/tree_rates.py's file) were measured over:
-    (proposal_vocab, whether a proposal lexicon widened it), or None where the file does
-    not say. A tree shaped by rates of other proposals is still exact, only shaped for
-    heads that rank differently: the generator warns."""
-    with open(path) as f:
-        data = json.load(f)
-    vocab = data.get("proposal_vocab") if isinstance(data, dict) else None
-    if type(vocab) is not int or "proposal_lexicon" not in data:
-        return None
-    return vocab, data["proposal_lexicon"] is not None
+# The mismatches already warned of: a hub or a benchmark builds a generator per call.
+WARNED = set()
 
 
-def warn_if_measured_otherwise(over, proposal_vocab, lexicon):
-    """Warn where rates measured over `over` (measured_over's pair, or None: unknown) shape
-    a tree for proposals over (proposal_vocab, lexicon): a lexicon or a wider shortlist
-    raises every head's rates, so a tree shaped by the other rates is exact but not the
-    best one for these proposals."""
-    if over is not None and over != (proposal_vocab, lexicon):
+def warn_if_measured_otherwise(over, proposal_vocab, lexicon, vocab_size):
+    """Warn, once, where rates measured over `over` ((proposal_vocab, lexicon), or None:
+    unknown) shape a tree for proposals over (proposal_vocab, lexicon): a lexicon or a wider
+    shortlist raises every head's rates, so a tree shaped by the other rates is exact but not
+    the best one for these proposals. A proposal_vocab of 0 or of the whole dictionary
+    (`vocab_size` entries) is the same thing."""
+    if over is None:
+        return
+    measured, decoding = (whole(over[0], vocab_size), over[1]), (whole(proposal_vocab, vocab_size), lexicon)
+    if measured != decoding and measured + decoding not in WARNED:
+        WARNED.add(measured + decoding)
         logger.warning(
-            f"--blockwise-tree-rates were measured over {proposals(*over)}; this decoding proposes over "
-            f"{proposals(proposal_vocab, lexicon)}: the tree stays exact, but its shape may not be the "
-            f"fastest (scripts/tree_rates.py --proposal-vocab/--proposal-lexicon measures the rates for it)")
+            f"--blockwise-tree-rates were measured over {proposals(*measured)}; this decoding proposes over "
+            f"{proposals(*decoding)}: the tree stays exact, but its shape may not be the fastest "
+            f"(scripts/tree_rates.py measures the rates for it with the same --proposal-vocab and "
+            f"--proposal-lexicon as --blockwise-proposal-vocab and --blockwise-proposal-lexicon)")
+
+
+def whole(proposal_vocab, vocab_size):
+    """0 for the whole dictionary, however it was written."""
+    return 0 if proposal_vocab >= vocab_size else proposal_vocab
 
 
 def proposals(vocab, lexicon):
     """What proposals range over, in words."""
-    where = f"the first {vocab} entries" if vocab else "the whole dictionary"
+    where = f"the dictionary's first {vocab} entries" if vocab else "the whole dictionary"
     return where + (" and a proposal lexicon" if lexicon else "")
 
 

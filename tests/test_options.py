@@ -16,6 +16,7 @@ from fairseq_bpd.generator import BlockwiseGenerator, BlockwiseStats
 from fairseq_bpd.options import BlockwiseDecodingConfig, BlockwiseOptions
 from fairseq_bpd.sampling import SpeculativeSampler
 from fairseq_bpd.task import TranslationBlockwiseConfig
+from fairseq_bpd import tree
 
 
 def test_defaults_are_the_flags_own():
@@ -132,25 +133,51 @@ def test_blockwise_flags_without_blockwise_are_named_in_one_warning(data_dir, ca
     assert not [r for r in caplog.records if "without --blockwise" in r.getMessage()]
 
 
-def test_a_tree_shaped_by_rates_of_other_proposals_is_warned_of(data_dir, tmp_path, caplog):
+def test_a_tree_shaped_by_rates_of_other_proposals_is_warned_of(data_dir, tmp_path, caplog, monkeypatch):
     """scripts/tree_rates.py records what its rates were measured over; a tree shaped by
     rates of other proposals (another shortlist, a lexicon or none) is exact but may not be
-    the fastest, and the generator says so, naming both."""
+    the fastest, and the generator says so once, naming both. 0 and the dictionary's size
+    both mean the whole dictionary."""
+    monkeypatch.setattr(tree, "WARNED", set())
     task, model, _ = build(data_dir, "--block-size", "4")  # proposals over the whole dictionary
-    rates = tmp_path / "rates.json"
+    rates, size = tmp_path / "rates.json", len(task.target_dictionary)
 
-    def warnings(**measured):
+    def warnings(decoding_vocab=0, **measured):
         rates.write_text(json.dumps({"rates": [[0.9, 0.5]] * 3, **measured}))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fairseq_bpd.tree"):
-            BlockwiseOptions(tree=4, tree_rates=str(rates)).generator(model, task.target_dictionary)
+            options = BlockwiseOptions(tree=4, tree_rates=str(rates), proposal_vocab=decoding_vocab)
+            options.generator(model, task.target_dictionary)
         return [r.getMessage() for r in caplog.records if "--blockwise-tree-rates" in r.getMessage()]
 
     assert warnings(proposal_vocab=0, proposal_lexicon=None) == []
+    assert warnings(proposal_vocab=size, proposal_lexicon=None) == []  # the whole dictionary, written out
+    assert warnings(size, proposal_vocab=0, proposal_lexicon=None) == []
     assert warnings() == []  # a file that does not say
     [shortlist] = warnings(proposal_vocab=6, proposal_lexicon=None)
-    assert "measured over the first 6 entries; this decoding proposes over the whole dictionary" in shortlist
+    assert ("measured over the dictionary's first 6 entries; this decoding proposes over the whole dictionary: "
+            "the tree stays exact") in shortlist
+    assert warnings(proposal_vocab=6, proposal_lexicon=None) == []  # said once
     [lexicon] = warnings(proposal_vocab=0, proposal_lexicon="lexicon.json")
     assert "over the whole dictionary and a proposal lexicon; this decoding proposes over the whole dictionary:" in lexicon
+    assert "--blockwise-proposal-lexicon" in lexicon
     assert BlockwiseOptions(tree=4, tree_rates=str(rates)).tree_rates_over == (0, True)
     assert BlockwiseOptions(tree=4, tree_rates=((0.9, 0.5),) * 3).tree_rates_over is None
+    rates.write_text(json.dumps({"rates": [[0.9, 0.5]] * 3, "proposal_vocab": 0, "proposal_lexicon": ""}))
+    assert BlockwiseOptions(tree=4, tree_rates=str(rates)).tree_rates_over == (0, False)
+
+
+def test_a_rates_file_is_read_once(tmp_path, monkeypatch):
+    """--blockwise-tree-rates <(...) is a pipe: it can be read once, rates and all."""
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"rates": [[0.9, 0.5]] * 3, "proposal_vocab": 6, "proposal_lexicon": None}))
+    opened, real_open = [], open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    options = BlockwiseOptions(tree=4, tree_rates=str(rates))
+    assert (options.tree_rates, options.tree_rates_over) == (((0.9, 0.5),) * 3, (6, False))
+    assert opened.count(str(rates)) == 1
