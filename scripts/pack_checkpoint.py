@@ -2,17 +2,23 @@
 """Shrink a fairseq checkpoint for the repository, and restore it.
 
 pack: drop the optimizer state and store each weight matrix in 4 bits, with one
-float16 scale per group of 64 weights in a row (about a seventh of float32); unpack:
+float16 scale per group of 64 weights in a row (about a seventh of float32), the proposal
+heads' in --head-bits (4 or 8); unpack:
 a loadable fairseq checkpoint with float32 weights. The demo decodes with the unpacked model, so its greedy and
 blockwise outputs are compared on the very same weights.
 
-  .venv/bin/python scripts/pack_checkpoint.py pack CKPT OUT.pt [--head-vocab N]
+  .venv/bin/python scripts/pack_checkpoint.py pack CKPT OUT.pt [--head-vocab N] [--head-bits 8]
   .venv/bin/python scripts/pack_checkpoint.py unpack OUT.pt CKPT
 
 --head-vocab N records N as the packed model's --head-vocab: the shortlist its heads propose
 over by default. Heads trained over the whole dictionary (--head-vocab 0) learn the rarer
 tokens too, which --blockwise-proposal-lexicon then proposes past a shortlist that keeps a
 batch-1 draft step cheap.
+
+--head-bits 8 stores the proposal heads' matrices (decoder.heads.*) in 8 bits, each group
+of 64 with its float16 scale: the base's 4 bits change nothing that exactness promises
+(greedy is the unpacked base's, whatever its weights), but they cost a draft decoder a
+few percent of its accepted block, and the heads are a tenth of the weights.
 """
 import argparse
 import os
@@ -26,6 +32,8 @@ from fairseq_bpd.heads import shortlist_problem  # noqa: E402
 
 
 GROUP = 64
+# The proposal heads' weights: what --head-bits stores in other bits than the base's 4.
+HEADS = "decoder.heads."
 
 
 def quantize(weight):
@@ -39,6 +47,17 @@ def quantize(weight):
 def dequantize(packed, scale):
     q = torch.stack([packed & 15, packed >> 4], dim=2).view(packed.size(0), -1).float() - 8
     return (q.view(q.size(0), -1, GROUP) * scale.float().unsqueeze(2)).view(q.size(0), -1)
+
+
+def quantize8(weight):
+    """rows x cols float -> (int8 rows x cols, float16 scales rows x cols/GROUP)."""
+    groups = weight.view(weight.size(0), -1, GROUP)
+    scale = groups.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(groups / scale).clamp(-127, 127).to(torch.int8).view(weight.size(0), -1), scale.squeeze(2).half()
+
+
+def dequantize8(q, scale):
+    return (q.float().view(q.size(0), -1, GROUP) * scale.float().unsqueeze(2)).view(q.size(0), -1)
 
 
 class ProjectionRows:
@@ -67,7 +86,7 @@ def head_vocab_of(model, head_vocab):
     return head_vocab
 
 
-def pack(src, dst, head_vocab=None):
+def pack(src, dst, head_vocab=None, head_bits=4):
     state = torch.load(src, map_location="cpu")
     if head_vocab is not None:
         state["cfg"]["model"].head_vocab = head_vocab_of(state["model"], head_vocab)
@@ -80,7 +99,10 @@ def pack(src, dst, head_vocab=None):
             continue
         first_name[key] = name
         tensor = tensor.float()
-        if tensor.dim() == 2 and tensor.size(1) % GROUP == 0:
+        if tensor.dim() == 2 and tensor.size(1) % GROUP == 0 and head_bits == 8 and name.startswith(HEADS):
+            q, scale = quantize8(tensor)
+            weights[name] = {"int8": q, "scale": scale}
+        elif tensor.dim() == 2 and tensor.size(1) % GROUP == 0:
             packed, scale = quantize(tensor)
             weights[name] = {"int4": packed, "scale": scale}
         else:
@@ -97,6 +119,8 @@ def unpack(src, dst):
             model[name] = model[stored["same_as"]]
         elif "int4" in stored:
             model[name] = dequantize(stored["int4"], stored["scale"])
+        elif "int8" in stored:
+            model[name] = dequantize8(stored["int8"], stored["scale"])
         else:
             model[name] = stored["half"].float()
     state["model"] = model
@@ -112,13 +136,16 @@ def main():
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument("--head-vocab", type=int, help="pack: the model's --head-vocab from now on (0: the whole dictionary)")
+    ap.add_argument("--head-bits", type=int, choices=(4, 8), help="pack: the proposal heads' bits (default 4, as the base's)")
     args = ap.parse_args()
     if not os.path.isfile(args.src):
         raise SystemExit(f"error: not found: {args.src}")
     if args.head_vocab is not None and (args.action != "pack" or args.head_vocab < 0):
         raise SystemExit("error: --head-vocab goes with pack, and is 0 or more")
+    if args.head_bits is not None and args.action != "pack":
+        raise SystemExit("error: --head-bits goes with pack")
     if args.action == "pack":
-        pack(args.src, args.dst, args.head_vocab)
+        pack(args.src, args.dst, args.head_vocab, args.head_bits or 4)
     else:
         unpack(args.src, args.dst)
     print(f"{args.dst}: {os.path.getsize(args.dst) / 2**20:.1f} MiB")

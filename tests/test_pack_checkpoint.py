@@ -1,5 +1,6 @@
-"""scripts/pack_checkpoint.py: 4-bit weights that unpack within a quantization step, shared
-tensors stored once, and --head-vocab recorded as the packed model's shortlist."""
+"""scripts/pack_checkpoint.py: 4-bit weights that unpack within a quantization step (the
+proposal heads' in 8 bits with --head-bits 8), shared tensors stored once, and --head-vocab
+recorded as the packed model's shortlist."""
 import argparse
 import os
 import subprocess
@@ -9,7 +10,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from pack_checkpoint import GROUP, pack, unpack  # noqa: E402
+from pack_checkpoint import GROUP, HEADS, pack, unpack  # noqa: E402
 
 
 def checkpoint(path, head_vocab=0):
@@ -41,6 +42,29 @@ def test_packing_keeps_the_weights_and_records_the_shortlist(tmp_path):
     assert torch.load(tmp_path / "full.pt", weights_only=False)["cfg"]["model"].head_vocab == 0  # source untouched
 
 
+def test_head_bits_8_keeps_the_heads_within_an_8_bit_step(tmp_path):
+    """--head-bits 8: the heads' matrices within half an 8-bit step of their group's largest
+    weight (and its float16 scale's rounding), the base's still 4-bit (off by more than that somewhere)."""
+    original = checkpoint(tmp_path / "full.pt")
+    head = HEADS + "fc_in.weight"
+    original["model"][head] = torch.randn(16, GROUP)
+    torch.save(original, tmp_path / "full.pt")
+
+    def errors(name):  # a group's largest error, in 8-bit steps of that group
+        step = original["model"][name].abs().view(-1, GROUP).amax(dim=1) / 127
+        return (model[name] - original["model"][name]).abs().view(-1, GROUP).amax(dim=1) / step
+
+    for bits in (4, 8):
+        pack(tmp_path / "full.pt", tmp_path / "packed.pt", head_bits=bits)
+        unpack(tmp_path / "packed.pt", str(tmp_path / "restored.pt"))
+        model = torch.load(tmp_path / "restored.pt", weights_only=False)["model"]
+        assert bool(errors("fc").le(127 / 7 / 2 + 0.1).all()) and bool(errors("fc").gt(0.6).any())
+        if bits == 8:
+            assert bool(errors(head).le(0.5 + 0.07).all())
+        else:
+            assert bool(errors(head).gt(0.6).any())
+
+
 def test_the_script_refuses_a_misplaced_head_vocab(tmp_path):
     checkpoint(tmp_path / "full.pt")
     script = [sys.executable, os.path.join(ROOT, "scripts", "pack_checkpoint.py")]
@@ -50,6 +74,10 @@ def test_the_script_refuses_a_misplaced_head_vocab(tmp_path):
                  ["pack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-vocab", "3"]):  # a special symbol
         done = subprocess.run([*script, *map(str, argv)], capture_output=True, text=True)
         assert done.returncode != 0 and "--head-vocab" in done.stderr and not (tmp_path / "x.pt").exists()
+    for argv in (["unpack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-bits", "8"],
+                 ["pack", tmp_path / "full.pt", tmp_path / "x.pt", "--head-bits", "6"]):
+        done = subprocess.run([*script, *map(str, argv)], capture_output=True, text=True)
+        assert done.returncode != 0 and "--head-bits" in done.stderr and not (tmp_path / "x.pt").exists()
     done = subprocess.run([*script, "pack", str(tmp_path / "missing.pt"), str(tmp_path / "x.pt")],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "missing.pt" in done.stderr
