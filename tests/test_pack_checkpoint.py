@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +64,23 @@ def test_head_bits_8_keeps_the_heads_within_an_8_bit_step(tmp_path):
             assert bool(errors(head).le(0.5 + 0.07).all())
         else:
             assert bool(errors(head).gt(0.6).any())
+    with pytest.raises(ValueError, match="head_bits must be 4 or 8"):
+        pack(tmp_path / "full.pt", tmp_path / "other.pt", head_bits=6)
+
+
+def test_a_tensor_the_heads_share_with_the_base_keeps_4_bits(tmp_path):
+    """Stored once for all its names, a tensor tied between the heads and the base keeps the
+    base's 4 bits under --head-bits 8, whichever name comes first."""
+    original = checkpoint(tmp_path / "full.pt")
+    tied = original["model"]["fc"]
+    for first, second in ((HEADS + "fc", "fc"), ("fc", HEADS + "fc")):
+        model = dict(original["model"])
+        model.pop("fc")
+        model[first] = model[second] = tied
+        torch.save({**original, "model": model}, tmp_path / "tied.pt")
+        pack(tmp_path / "tied.pt", tmp_path / "packed.pt", head_bits=8)
+        stored = torch.load(tmp_path / "packed.pt", weights_only=False)["packed_model"]
+        assert "int4" in stored[first] and stored[second] == {"same_as": first}
 
 
 def test_the_script_refuses_a_misplaced_head_vocab(tmp_path):
