@@ -99,14 +99,13 @@ def pack(src, dst, head_vocab=None, head_bits=4):
         names.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(name)
     if head_vocab is not None:
         state["cfg"]["model"].head_vocab = head_vocab_of(state["model"], head_vocab)
-    weights, first_name = {}, {}
+    weights = {}
     for name, tensor in state["model"].items():
         # shared embeddings appear under several names but are one tensor: store it once
         key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key in first_name:
-            weights[name] = {"same_as": first_name[key]}
+        if names[key][0] != name:
+            weights[name] = {"same_as": names[key][0]}
             continue
-        first_name[key] = name
         tensor = tensor.float()
         heads_only = all(n.startswith(HEADS) for n in names[key])
         if tensor.dim() == 2 and tensor.size(1) % GROUP == 0 and head_bits == 8 and heads_only:
