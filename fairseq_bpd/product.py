@@ -57,6 +57,21 @@ def blocked(weight):
     return padded.view(weight.size(0), blocks, PACKED_OUTPUTS).transpose(0, 1).contiguous()
 
 
+def int8_blocked(weight):
+    """int8 weights C x N as csrc/few_rows.cpp's int8 products read them, shaped N/64 x C x
+    64 with zero weights past N: where they run on VNNI (the kernels' int8_channel_group()
+    is 4; C a multiple of 4), N/64 blocks of C/4 x 64 x 4, each output's weights for four
+    channels side by side (one 32-bit lane of VNNI's dot product of unsigned bytes by signed
+    ones), each weight plus 128 as an unsigned byte, stored as int8; elsewhere blocked(weight)."""
+    blocks = blocked(weight)  # N/64 x C x 64
+    kern = kernels.module()
+    if kern is None or kern.int8_channel_group() != 4:
+        return blocks
+    count, channels = blocks.shape[:2]
+    grouped = blocks.view(count, channels // 4, 4, PACKED_OUTPUTS).transpose(2, 3)  # ... x 64 outputs x 4
+    return (grouped.to(torch.int16) + 128).to(torch.uint8).view(torch.int8).reshape(count, channels, PACKED_OUTPUTS)
+
+
 def compiled_kernel(weight, bias, x):
     """The compiled kernels where their product serves x (M x C) by `weight` (C x N) and
     `bias`: float32 on a CPU, at most COMPILED_MOST_ROWS rows with contiguous channels, a
@@ -247,13 +262,15 @@ class Int8Product(tuple):
     (symmetric, its largest magnitude at 127): at a row or a few a product reads its weight
     once per row, so a quarter of float32's bytes is most of its cost saved.
 
-    The compiled kernel (kernels.py, csrc/few_rows.cpp) multiplies float32 rows by the
-    int8 weights, exactly converted, into float32 sums, from a copy packed for it (`packed`:
-    N/64 blocks of C x 64, zero columns past N); it adds a residual and applies relu in the
-    same call (`add`, `relu`). Where it does not serve, torch's weight-only kernel runs
-    (x rounded to bf16, bf16 scales; bf16 out where no bias is added, which a sum with
-    float32 promotes). More rows than INT8_MOST_ROWS, and inputs neither kernel takes
-    (float64, autograd), run the Product of W (a bias of zeros where none; lazy: Product's)."""
+    The compiled kernel (kernels.py, csrc/few_rows.cpp) reads a copy packed for it
+    (`packed`: int8_blocked): with VNNI it rounds each row to int8 too (its largest
+    magnitude at 127) and sums the integer products exactly, scaled per output and per row;
+    elsewhere it multiplies float32 rows by the weights, exactly converted, into float32
+    sums. It adds a residual and applies relu in the same call (`add`, `relu`). Where it
+    does not serve, torch's weight-only kernel runs (x rounded to bf16, bf16 scales; bf16 out
+    where no bias is added, which a sum with float32 promotes). More rows than
+    INT8_MOST_ROWS, and inputs neither kernel takes (float64, autograd), run the Product of
+    W (a bias of zeros where none; lazy: Product's)."""
 
     def __new__(cls, weight, bias, lazy=False):
         if weight.size(0) % INT8_ROWS:
@@ -262,12 +279,19 @@ class Int8Product(tuple):
         scales = weight.abs().amax(0).clamp_min(torch.finfo(weight.dtype).tiny) / INT8_MAX  # N
         self.quantized = (weight / scales).round_().to(torch.int8).t().contiguous()  # N x C
         self.scales, self.scales32 = scales.bfloat16(), scales.float().contiguous()
-        self.packed = blocked(self.quantized.t())  # N/64 x C x 64
+        self._packed = None  # int8_blocked, made on first use: its layout is the kernels' loaded then
         self.full = Product(weight, weight.new_zeros(weight.size(1)) if bias is None else bias, lazy)
         return self
 
     def __reduce__(self):
         return Int8Product, tuple(self)
+
+    @property
+    def packed(self):
+        """The weights as the compiled kernel reads them (int8_blocked): N/64 x C x 64 bytes."""
+        if self._packed is None:
+            self._packed = int8_blocked(self.quantized.t())
+        return self._packed
 
     def __call__(self, x, out=None, add=None, relu=False):
         """x M x C (columns contiguous) -> M x N (+ add, M x N) (relu), into `out` (float32)

@@ -5,7 +5,9 @@
 # constant, is not computed in training), at lr 2e-3 after 100 warmup updates: heads of
 # about a million weights take it (scripts/recipe_chained.sh). finetune trains heads and base
 # together, head 1 weighted 7 times each other head (--head1-weight 7). A later flag wins.
-# Resumes from SAVE_DIR/checkpoint_last.pt when it exists.
+# Resumes from SAVE_DIR/checkpoint_last.pt when it exists. Another --lr-scheduler (such as
+# polynomial_decay, to anneal a draft's last hour) replaces inverse_sqrt and its
+# --warmup-init-lr (which polynomial_decay refuses; pass it again where another takes it).
 set -euo pipefail
 DATA=$1; BASE=$2; SAVE=$3; K=$4; MODE=$5; shift 5
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -15,11 +17,13 @@ case "$MODE" in
   finetune) MODE_FLAGS=(--lr 5e-4 --head1-weight 7) ;;
   *) echo "error: mode must be frozen or finetune, not '$MODE'" >&2; exit 2 ;;
 esac
+SCHEDULER=(--lr-scheduler inverse_sqrt --warmup-init-lr 1e-7)
+for arg in "$@"; do case "$arg" in --lr-scheduler|--lr-scheduler=*) SCHEDULER=() ;; esac; done
 [ -f "$BASE" ] || { echo "error: base checkpoint not found: $BASE" >&2; exit 1; }
 exec "$ROOT/.venv/bin/fairseq-train" "$DATA" --user-dir "$ROOT/fairseq_bpd" \
   --task translation_blockwise --arch transformer_blockwise_small --block-size "$K" --share-all-embeddings \
   --criterion blockwise_cross_entropy --label-smoothing 0.1 --finetune-from-model "$BASE" \
-  --optimizer adam --adam-betas '(0.9, 0.98)' --lr-scheduler inverse_sqrt \
-  --warmup-updates 200 --warmup-init-lr 1e-7 --clip-norm 1.0 --max-tokens 4096 \
+  --optimizer adam --adam-betas '(0.9, 0.98)' "${SCHEDULER[@]}" \
+  --warmup-updates 200 --clip-norm 1.0 --max-tokens 4096 \
   --save-dir "$SAVE" --save-interval-updates 250 --keep-interval-updates 1 --no-epoch-checkpoints \
   --log-format simple --log-interval 50 --seed 1 "${MODE_FLAGS[@]}" "$@"

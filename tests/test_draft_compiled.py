@@ -25,11 +25,26 @@ def kern():
     return module
 
 
+def quantized_rows(x):
+    """x M x C float32 rounded as the int8 kernel rounds its rows on VNNI: each row times
+    127 / its largest magnitude (float32), to the nearest integer; and the scale back,
+    largest / 127. Rows too small for that factor to be finite are zeros, scale 0."""
+    largest = x.abs().amax(1, keepdim=True)
+    factor = torch.tensor(127.0) / largest
+    ok = torch.isfinite(factor)
+    q = torch.where(ok, (x * factor).round().clamp(-127, 127), torch.zeros_like(x))
+    return q, torch.where(ok, largest / 127.0, torch.zeros_like(largest))
+
+
 def int8_reference(product, x):
-    """x · W' (+ bias) in float64, W' the int8 weights times their scales: what the kernel
-    computes in float32."""
-    weight = product.quantized.double().t() * product.scales32.double()  # C x N
-    y = x.double() @ weight
+    """x' · W' (+ bias) in float64, W' the int8 weights times their scales and x' the rows
+    (rounded to int8 times theirs where the kernel runs on VNNI): what the kernel computes,
+    its sums exact or in float32."""
+    if kernels.module().int8_channel_group() == 4:
+        q, row_scale = quantized_rows(x.float())
+        y = (q.double() @ product.quantized.double().t()) * product.scales32.double() * row_scale.double()
+    else:
+        y = x.double() @ (product.quantized.double().t() * product.scales32.double())
     return y if product[1] is None else y + product[1].double()
 
 
@@ -54,6 +69,25 @@ def test_an_int8_product_is_the_int8_weights_product(kern, rows, shape):
     bare = Int8Product(weight, None)
     assert torch.allclose(kern.int8_product(x, bare.packed, bare.scales32).double(), int8_reference(bare, x),
                           rtol=1e-5, atol=1e-4)
+
+
+def test_an_int8_products_rows_of_zeros_tiny_values_and_nans(kern):
+    """A row of zeros gives the bias; a row too small to scale to 127 gives the bias too
+    where its rows are rounded (and near it elsewhere); a NaN or an infinity makes each of
+    its own row's outputs NaN or infinite, and no other row's."""
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(64, 70, generator=g), torch.randn(70, generator=g)
+    product = Int8Product(weight, bias)
+    x = torch.randn(5, 64, generator=g)
+    x[0] = 0
+    x[1] = torch.randn(64, generator=g) * 1e-38  # 127 / its largest is infinite
+    x[2, 7] = float("nan")
+    x[3, 9] = float("inf")
+    y = kern.int8_product(x, product.packed, product.scales32, bias)
+    assert torch.equal(y[0], bias)
+    assert torch.allclose(y[1], bias, atol=1e-30)
+    assert torch.isnan(y[2]).all() and not torch.isfinite(y[3]).any()
+    assert torch.allclose(y[4].double(), int8_reference(product, x[4:]).squeeze(0), rtol=1e-5, atol=1e-4)
 
 
 def test_an_int8_product_refuses_what_it_would_misread(kern):

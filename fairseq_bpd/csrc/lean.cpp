@@ -13,6 +13,8 @@
 // it cannot.
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -23,14 +25,14 @@
 
 namespace {
 
-// Everything here runs on the calling thread (only few_rows.cpp's products are split
-// between threads): work large enough to pay for threads goes to torch's own kernels, past
-// these sizes.
 // Attention of more query-key products than this (times d) goes to torch's fused kernel,
-// whose blocked products outrun these loops there; below it these loops, on one thread,
-// beat its dispatch and hand-offs. Likewise a residual norm of more elements than
-// kLargestNorm goes to torch's add and layer norm.
+// whose blocked products outrun these loops there; below it these loops beat its dispatch
+// and hand-offs, their queries split between torch's threads once a thread's share holds
+// kAttentionParallelWork query-key products (times d). A residual norm of more elements
+// than kLargestNorm goes to torch's add and layer norm; below it, one loop on the calling
+// thread.
 constexpr int64_t kLargestAttention = 1 << 16;
+constexpr int64_t kAttentionParallelWork = 1 << 14;
 constexpr int64_t kLargestNorm = 1 << 14;
 
 template <typename T>
@@ -57,24 +59,28 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     m0 = mask->stride(0), m1 = mask->stride(1), m2 = mask->stride(2), m3 = mask->stride(3);
   }
   T* o_data = out.data_ptr<T>();  // batch x n x heads x d, contiguous
-  std::vector<T> score;
-  std::vector<char> allowed;
-  for (int64_t i = 0; i < batch * heads * n; ++i) {
-    const int64_t b = i / (heads * n), h = (i / n) % heads, r = i % n;
-    auto seen = [&](int64_t j, T* bias) -> bool {
-      if (!mask_data) return true;
-      const M m = mask_data[b * m0 + h * m1 + r * m2 + j * m3];
-      if constexpr (std::is_same_v<M, bool>) {
-        return m;
-      } else {
-        *bias = static_cast<T>(m);
-        return m != -std::numeric_limits<M>::infinity();
-      }
-    };
-    lean::attend_query<T>(Q.at(b, h, r), d, keys, factor, seen, [&](int64_t j) { return K.at(b, h, j); },
-                          [&](int64_t j) { return V.at(b, h, j); }, o_data + ((b * n + r) * heads + h) * d, score,
-                          allowed);
-  }
+  // Each query's sums are made in the same order on whichever thread: the same output.
+  const int64_t grain = std::max<int64_t>(1, kAttentionParallelWork / std::max<int64_t>(1, keys * d));
+  at::parallel_for(0, batch * heads * n, grain, [&](int64_t first, int64_t end) {
+    std::vector<T> score;
+    std::vector<char> allowed;
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t b = i / (heads * n), h = (i / n) % heads, r = i % n;
+      auto seen = [&](int64_t j, T* bias) -> bool {
+        if (!mask_data) return true;
+        const M m = mask_data[b * m0 + h * m1 + r * m2 + j * m3];
+        if constexpr (std::is_same_v<M, bool>) {
+          return m;
+        } else {
+          *bias = static_cast<T>(m);
+          return m != -std::numeric_limits<M>::infinity();
+        }
+      };
+      lean::attend_query<T>(Q.at(b, h, r), d, keys, factor, seen, [&](int64_t j) { return K.at(b, h, j); },
+                            [&](int64_t j) { return V.at(b, h, j); }, o_data + ((b * n + r) * heads + h) * d, score,
+                            allowed);
+    }
+  });
 }
 
 }  // namespace
@@ -286,6 +292,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_chain", &exact_chain, "greedy's rule on a chain: verify, accept and commit fused");
   m.def("attend", &attend, "softmax(q kᵀ + mask) v, B x n x h x d");
   m.def("residual_norm", &residual_norm, "y = x + y, then its layer norm");
+  m.def("int8_channel_group", &lean::int8_channel_group, "how the int8 products' packed weights group channels");
   m.def("int8_product", &int8_product, "x · Wᵀ · scales (+ bias) (+ add) (relu) on packed int8 weights",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
         py::arg("relu") = false, py::arg("out") = py::none());

@@ -8,7 +8,12 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace lean {
 
@@ -60,8 +65,8 @@ void residual_row(T* sum, const T* other, T* normed, const T* weight, const T* b
 // = softmax(factor · q · kᵀ + bias) · v over the keys seen, none of the others read; zeros
 // where no key is seen, as torch's fused attention gives. score, allowed: scratch.
 template <typename T, typename Seen, typename Key, typename Value>
-void attend_query(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key key, Value value, T* out,
-                  std::vector<T>& score, std::vector<char>& allowed) {
+void attend_query_any(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key key, Value value, T* out,
+                      std::vector<T>& score, std::vector<char>& allowed) {
   score.resize(count);
   allowed.resize(count);
   T best = -std::numeric_limits<T>::infinity();
@@ -96,17 +101,86 @@ void attend_query(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key
   }
 }
 
+#if defined(__AVX512F__)
+// attend_query for float32 vectors of 64 (the shipped model's heads): the query and the
+// weighted sum of values held in registers, each key's dot product in two independent
+// chains; about half attend_query_any's time, whose loops the compiler leaves to memory
+// (out might alias a value) and to one chain.
+template <typename Seen, typename Key, typename Value>
+void attend_query_64(const float* q, int64_t count, float factor, Seen seen, Key key, Value value, float* out,
+                     std::vector<float>& score, std::vector<char>& allowed) {
+  score.resize(count);
+  allowed.resize(count);
+  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
+               q3 = _mm512_loadu_ps(q + 48);
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < count; ++j) {
+    float bias = 0;
+    allowed[j] = seen(j, &bias);
+    if (!allowed[j]) continue;
+    const float* k = key(j);
+    const __m512 a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), _mm512_mul_ps(q0, _mm512_loadu_ps(k)));
+    const __m512 b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16)));
+    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * factor + bias;
+    score[j] = s;
+    best = std::max(best, s);
+  }
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  if (best != -std::numeric_limits<float>::infinity()) {
+    float total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < count; ++j) {
+      const float e = allowed[j] ? exp_nonpositive(score[j] - best) : 0.0f;
+      score[j] = e;
+      total += e;
+    }
+    const float scale = 1.0f / total;
+    for (int64_t j = 0; j < count; ++j) {
+      if (!allowed[j]) continue;
+      const __m512 p = _mm512_set1_ps(score[j] * scale);
+      const float* v = value(j);
+      s0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), s0);
+      s1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), s1);
+      s2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), s2);
+      s3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), s3);
+    }
+  }
+  _mm512_storeu_ps(out, s0);
+  _mm512_storeu_ps(out + 16, s1);
+  _mm512_storeu_ps(out + 32, s2);
+  _mm512_storeu_ps(out + 48, s3);
+}
+#endif
+
+template <typename T, typename Seen, typename Key, typename Value>
+void attend_query(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key key, Value value, T* out,
+                  std::vector<T>& score, std::vector<char>& allowed) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (d == 64) return attend_query_64(q, count, factor, seen, key, value, out, score, allowed);
+  }
+#endif
+  attend_query_any(q, d, count, factor, seen, key, value, out, score, allowed);
+}
+
 // Refuses (naming `who`) what is not a product's packed copy for C input channels and N
 // outputs: packed N/64 x C x 64, int8 with N float32 scales or float32 (scales null), a
-// bias of N float32 or none, on the CPU.
+// bias of N float32 or none, on the CPU; int8 for VNNI (int8_channel_group() 4) with C a
+// multiple of 4, at most 65536.
 void check_packed_weights(const at::Tensor& packed, const at::Tensor* scales, const at::Tensor* bias, int64_t C,
                           int64_t N, const char* who);
 void check_int8_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor* bias, int64_t C,
                         const char* who);
 
+// How the int8 products group input channels in their packed weights: 4 where they run on
+// VNNI (rows rounded to int8, weights offset by 128: product.int8_blocked), else 1 (as
+// float32's).
+int64_t int8_channel_group();
+
 // out (M x N, row stride out_stride) = x (M x C, row stride x_stride) · Wᵀ · scales
-// (+ bias) (+ add) (relu), W int8 packed as few_rows.cpp's (N/64 blocks of C x 64); any M,
-// four rows at a time; add may be out itself; bias and add may be null.
+// (+ bias) (+ add) (relu), W int8 packed as int8_channel_group() says (few_rows.cpp); any
+// M, four rows at a time; add may be out itself; bias and add may be null. With VNNI the
+// rows are rounded to int8 first.
 void int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
                const float* scales, const float* bias, const float* add, int64_t add_stride, bool relu, float* out,
                int64_t out_stride);
