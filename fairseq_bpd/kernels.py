@@ -7,10 +7,11 @@ and the draft decoder's batch-1 step and chain in one call (draft_step.cpp).
 Built with torch's C++ extension tools on first use (scripts/setup.sh builds it once, so
 that decoding never waits for a compiler) into torch's extension cache, for this machine's
 CPU (-march=native), with OpenMP (few_rows.cpp's products and lean.cpp's attention split
-their work between torch's threads, whose OpenMP runtime they share). The build's name carries a hash of the sources and
-their header, the flags, torch's version and the CPU's features, so checkouts and machines
-that share a cache keep a build each, and none loads another's. A build lock left by a build that was killed (torch waits
-on it forever) is removed once it is STALE_LOCK_SECONDS old. Where the kernels cannot be
+their work between torch's threads, whose OpenMP runtime they share). The build's name
+carries a hash of the sources and their header, the flags, torch's version and the CPU's
+features, so checkouts and machines that share a cache keep a build each, and none loads
+another's. A build lock left by a build that was killed (torch waits on it forever) is
+removed once it is STALE_LOCK_SECONDS old. Where the kernels cannot be
 built (no compiler) the log says why once a process and decoding runs torch's operations:
 the same function, more operations. $FAIRSEQ_BPD_KERNELS=0 runs torch's operations
 (before-and-after measurements; read on every pass).

@@ -238,12 +238,14 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t C, int8_
   }
 }
 
-// out (M x N) = x (M x C) · W · scales (+ bias) (+ add) (relu) on int8 weights: with VNNI the
-// rows rounded to int8 first and the sums made in int32 (int8_block_sums' packing), else
-// float rows by each weight converted (block_sums' packing).
-void int8_rows_product(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
-                       const float* scales, const float* bias, const float* add, int64_t add_stride, bool relu,
-                       float* out, int64_t out_stride) {
+}  // namespace
+
+// lean.h's: on int8 weights with VNNI the rows rounded to int8 first and the sums made in
+// int32 (int8_block_sums' packing), else float rows by each weight converted (block_sums'
+// packing).
+void lean::int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
+                     const float* scales, const float* bias, const float* add, int64_t add_stride, bool relu,
+                     float* out, int64_t out_stride) {
 #if defined(__AVX512VNNI__)
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> row_scale;
@@ -274,6 +276,8 @@ void int8_rows_product(const float* x, int64_t x_stride, int64_t M, const int8_t
                      kInt8ParallelWork);
 #endif
 }
+
+namespace {
 
 // Whether the memory spans of two tensors (first to last element) meet: a cautious test of
 // overlap (ATen's passes views with gaps between their rows unchecked).
@@ -315,12 +319,6 @@ void lean::check_packed_weights(const at::Tensor& packed, const at::Tensor* scal
 void lean::check_int8_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor* bias, int64_t C,
                               const char* who) {
   check_packed_weights(packed, &scales, bias, C, scales.numel(), who);
-}
-
-void lean::int8_rows(const float* x, int64_t x_stride, int64_t M, const int8_t* packed, int64_t C, int64_t N,
-                     const float* scales, const float* bias, const float* add, int64_t add_stride, bool relu,
-                     float* out, int64_t out_stride) {
-  int8_rows_product(x, x_stride, M, packed, C, N, scales, bias, add, add_stride, relu, out, out_stride);
 }
 
 void lean::float_rows(const float* x, int64_t x_stride, int64_t M, const float* packed, int64_t C, int64_t N,

@@ -60,13 +60,14 @@ void residual_row(T* sum, const T* other, T* normed, const T* weight, const T* b
   norm_row(sum, normed, weight, bias, c, eps);
 }
 
-// One query's attention over `count` keys: seen(j, &bias) says whether key j is seen (and
-// sets its additive bias), key(j) and value(j) point to its vectors (d contiguous). out (d)
-// = softmax(factor · q · kᵀ + bias) · v over the keys seen, none of the others read; zeros
-// where no key is seen, as torch's fused attention gives. score, allowed: scratch.
-template <typename T, typename Seen, typename Key, typename Value>
-void attend_query_any(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key key, Value value, T* out,
-                      std::vector<T>& score, std::vector<char>& allowed) {
+// Attention's weights for one query over `count` keys: seen(j, &bias) says whether key j is
+// seen (and sets its additive bias), key(j) points to its vector, dot(k) is the query's dot
+// product with one. Leaves score[j] = e^(factor · dot + bias − the largest) for the keys
+// seen (allowed[j] true; the others are not read) and returns 1 / their sum: the factor
+// that makes them a softmax; 0 where no key is seen (the sum is at least 1 otherwise).
+template <typename T, typename Seen, typename Key, typename Dot>
+T attention_weights(int64_t count, T factor, Seen seen, Key key, Dot dot, std::vector<T>& score,
+                    std::vector<char>& allowed) {
   score.resize(count);
   allowed.resize(count);
   T best = -std::numeric_limits<T>::infinity();
@@ -74,16 +75,11 @@ void attend_query_any(const T* q, int64_t d, int64_t count, T factor, Seen seen,
     T bias = 0;
     allowed[j] = seen(j, &bias);
     if (!allowed[j]) continue;
-    const T* k = key(j);
-    T s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < d; ++c) s += q[c] * k[c];
-    s = s * factor + bias;
+    const T s = dot(key(j)) * factor + bias;
     score[j] = s;
     best = std::max(best, s);
   }
-  std::fill(out, out + d, T(0));
-  if (best == -std::numeric_limits<T>::infinity()) return;
+  if (best == -std::numeric_limits<T>::infinity()) return T(0);
   T total = 0;
 #pragma omp simd reduction(+ : total)
   for (int64_t j = 0; j < count; ++j) {
@@ -91,7 +87,25 @@ void attend_query_any(const T* q, int64_t d, int64_t count, T factor, Seen seen,
     score[j] = e;
     total += e;
   }
-  const T scale = T(1) / total;
+  return T(1) / total;
+}
+
+// One query's attention over `count` keys: seen, key as attention_weights's, value(j) points
+// to value j (d contiguous). out (d) = softmax(factor · q · kᵀ + bias) · v over the keys
+// seen, none of the others read; zeros where no key is seen, as torch's fused attention
+// gives. score, allowed: scratch.
+template <typename T, typename Seen, typename Key, typename Value>
+void attend_query_any(const T* q, int64_t d, int64_t count, T factor, Seen seen, Key key, Value value, T* out,
+                      std::vector<T>& score, std::vector<char>& allowed) {
+  auto dot = [&](const T* k) {
+    T s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t c = 0; c < d; ++c) s += q[c] * k[c];
+    return s;
+  };
+  const T scale = attention_weights(count, factor, seen, key, dot, score, allowed);
+  std::fill(out, out + d, T(0));
+  if (scale == T(0)) return;
   for (int64_t j = 0; j < count; ++j) {
     if (!allowed[j]) continue;
     const T p = score[j] * scale;
@@ -109,41 +123,23 @@ void attend_query_any(const T* q, int64_t d, int64_t count, T factor, Seen seen,
 template <typename Seen, typename Key, typename Value>
 void attend_query_64(const float* q, int64_t count, float factor, Seen seen, Key key, Value value, float* out,
                      std::vector<float>& score, std::vector<char>& allowed) {
-  score.resize(count);
-  allowed.resize(count);
   const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
                q3 = _mm512_loadu_ps(q + 48);
-  float best = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < count; ++j) {
-    float bias = 0;
-    allowed[j] = seen(j, &bias);
-    if (!allowed[j]) continue;
-    const float* k = key(j);
+  auto dot = [&](const float* k) {
     const __m512 a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), _mm512_mul_ps(q0, _mm512_loadu_ps(k)));
     const __m512 b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16)));
-    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * factor + bias;
-    score[j] = s;
-    best = std::max(best, s);
-  }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  };
+  const float scale = attention_weights(count, factor, seen, key, dot, score, allowed);
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  if (best != -std::numeric_limits<float>::infinity()) {
-    float total = 0;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < count; ++j) {
-      const float e = allowed[j] ? exp_nonpositive(score[j] - best) : 0.0f;
-      score[j] = e;
-      total += e;
-    }
-    const float scale = 1.0f / total;
-    for (int64_t j = 0; j < count; ++j) {
-      if (!allowed[j]) continue;
-      const __m512 p = _mm512_set1_ps(score[j] * scale);
-      const float* v = value(j);
-      s0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), s0);
-      s1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), s1);
-      s2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), s2);
-      s3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), s3);
-    }
+  for (int64_t j = 0; scale != 0.0f && j < count; ++j) {
+    if (!allowed[j]) continue;
+    const __m512 p = _mm512_set1_ps(score[j] * scale);
+    const float* v = value(j);
+    s0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), s0);
+    s1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), s1);
+    s2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), s2);
+    s3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), s3);
   }
   _mm512_storeu_ps(out, s0);
   _mm512_storeu_ps(out + 16, s1);
