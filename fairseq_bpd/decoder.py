@@ -71,6 +71,7 @@ class BlockwiseDecoder(TransformerDecoderBase):
         )
         if getattr(cfg, "draft_train_heads", 0):  # --head-type draft only (model.draft_train_heads_problem)
             self.heads.train_heads = cfg.draft_train_heads
+        self.heads_bf16 = bool(getattr(cfg, "heads_bf16", False))
 
     @property
     def block_size(self):
@@ -191,18 +192,26 @@ class BlockwiseDecoder(TransformerDecoderBase):
         alignment_heads=None,
         src_lengths=None,
         return_all_hiddens=False,
+        base_features=None,
     ):
-        x, extra = self.extract_features(
-            prev_output_tokens,
-            encoder_out=encoder_out,
-            incremental_state=incremental_state,
-            full_context_alignment=full_context_alignment,
-            alignment_layer=alignment_layer,
-            alignment_heads=alignment_heads,
-        )
+        """fairseq's forward, with every head's features in extra["block_features"] (B x T x k x C).
+
+        base_features: the base's top-layer features B x T x C of these inputs, computed
+        before (--stored-features, stored_features.py): the layers are not run."""
+        if base_features is None:
+            x, extra = self.extract_features(
+                prev_output_tokens,
+                encoder_out=encoder_out,
+                incremental_state=incremental_state,
+                full_context_alignment=full_context_alignment,
+                alignment_layer=alignment_layer,
+                alignment_heads=alignment_heads,
+            )
+        else:  # no layer ran: no attention, no layer states
+            x, extra = base_features, {"attn": [None], "inner_states": []}
         if incremental_state is None:
             # Computed here, not in the criterion, so DDP sees every head used in forward.
-            extra["block_features"] = self.heads.block_features(x, inputs=prev_output_tokens, encoder_out=encoder_out)
+            extra["block_features"] = self.block_features(x, prev_output_tokens, encoder_out)
             x = extra["block_features"][..., 0, :]
         else:
             # fairseq's own step-by-step search only needs head 1.
@@ -210,6 +219,14 @@ class BlockwiseDecoder(TransformerDecoderBase):
         if not features_only:
             x = self.output_layer(x)
         return x, extra
+
+    def block_features(self, x, inputs, encoder_out):
+        """The heads' teacher-forced features B x T x C -> B x T x k x C (float32 where x is):
+        under --heads-bf16, while the heads train, their products run in bfloat16."""
+        if not (self.heads_bf16 and self.heads.training and torch.is_grad_enabled()):
+            return self.heads.block_features(x, inputs=inputs, encoder_out=encoder_out)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return self.heads.block_features(x, inputs=inputs, encoder_out=encoder_out).to(x.dtype)
 
     def forward_block(self, tokens, positions, encoder_out, incremental_state, self_attn_mask=None,
                       longest=None, alignment=True):

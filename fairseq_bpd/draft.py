@@ -18,6 +18,7 @@ from .heads import (Proposer, after_head1, chain_proposals, choose, decoding_log
                     no_proposals, shortlist_logits)
 from .draft_step import DraftState, DraftWeights, Waiting, decode_step, feed_waiting, tree_plan
 from . import kernels
+from .dropout import HashDropout
 from .product import Int8Product, Product
 from .targets import shift_target
 
@@ -34,7 +35,12 @@ def attend(attention, x, keys, values, allowed):
     (or broadcastable) bools, True where a query may attend. Returns b x m x C.
     """
     q = split_heads(attention.q_proj(x), attention.num_heads)  # b x H x m x d
-    y = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None])
+    # In float32 under --heads-bf16's autocast (its bfloat16 products made q, keys and values):
+    # torch's bfloat16 attention backward on a CPU took several times float32's.
+    dtype = torch.float32 if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        y = F.scaled_dot_product_attention(q.to(dtype), keys.to(dtype), values.to(dtype),
+                                           attn_mask=allowed[:, None])
     return attention.out_proj(y.transpose(1, 2).reshape(x.shape))
 
 
@@ -95,7 +101,7 @@ class DraftDecoder(nn.Module, Proposer):
         self.ffn1, self.ffn2 = nn.Linear(embed_dim, ffn_dim), nn.Linear(ffn_dim, embed_dim)
         self.fc_out = nn.Linear(embed_dim, embed_dim)
         self.activation_fn = utils.get_activation_fn(activation_fn)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = HashDropout(dropout)
         nn.init.zeros_(self.fc_out.weight)
         nn.init.zeros_(self.fc_out.bias)
         self.state = None
@@ -105,7 +111,8 @@ class DraftDecoder(nn.Module, Proposer):
     def entry(self, features, tokens):
         """The layer's input: features ... x C, tokens ... -> ... x C."""
         embedded = self.decoder.embed_scale * self.decoder.embed_tokens(tokens)  # ... x E
-        return self.fc_in(torch.cat([features, embedded], dim=-1))
+        # The residual stream in the features' dtype: under --heads-bf16 only products are bfloat16.
+        return self.fc_in(torch.cat([features, embedded], dim=-1)).to(features.dtype)
 
     def layer(self, z, normed, features, keys, values, allowed, source):
         """The layer over entries z b x m x C (normed: self_attn_norm(z), which made their own

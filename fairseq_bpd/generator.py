@@ -324,7 +324,9 @@ class BlockwiseGenerator(nn.Module):
         if n == 1:  # every sentence added one: no need to ask
             if doubt and bool(doubt[0]):  # the compiled kernel's choice, in doubt: counted when made again
                 return None
-            if self.block_size == 1 or invocations > 1:  # the first, on BOS alone, verifies nothing
+            # The first, on BOS alone, verifies nothing, unless every block is one token
+            # (--block-size 1, or width 1 where no width table is found): then each counts.
+            if invocations > 1 or self.block_size == 1 or getattr(self.policy, "fixed", None) == 1:
                 self.stats.accepted[1] += added.size(0)
             return None, 1 if known_length else None, None
         if doubt:  # kept 0 (else at least 1): in doubt

@@ -17,6 +17,7 @@ from torch import nn
 from fairseq import utils
 
 from .targets import shift_target
+from .dropout import HashDropout
 from .errors import BlockwiseRequestError
 from .heads_step import Arranged, ChainWeights, HeadWeights
 
@@ -105,7 +106,7 @@ class ProposalHeads(Arranged, nn.Module, Proposer):
             self.fc1 = nn.Linear(embed_dim, self.num_heads * ffn_dim)
             self.fc2 = nn.Linear(self.num_heads * ffn_dim, self.num_heads * embed_dim)
             self.activation_fn = utils.get_activation_fn(activation_fn)
-            self.dropout = nn.Dropout(dropout)
+            self.dropout = HashDropout(dropout)
             nn.init.xavier_uniform_(self.fc1.weight)
             nn.init.zeros_(self.fc1.bias)
             # Zero output: every head starts as the base model's next-token head, so a
@@ -288,7 +289,7 @@ class ChainedHeads(Arranged, nn.Module, Proposer):
         self.fc_in = nn.ModuleList([nn.Linear(embed_dim + token_dim, ffn_dim) for _ in links])
         self.fc_out = nn.ModuleList([nn.Linear(ffn_dim, embed_dim) for _ in links])
         self.activation_fn = utils.get_activation_fn(activation_fn)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = HashDropout(dropout)
         for fc_in, fc_out in zip(self.fc_in, self.fc_out):
             nn.init.xavier_uniform_(fc_in.weight)
             nn.init.zeros_(fc_in.bias)

@@ -2,7 +2,8 @@
 residual add with its layer norm, and an exact chain's verification (lean.cpp), each one call
 where torch takes several; products of a few rows by packed float32 or int8 weights
 (few_rows.cpp); the decoder's layers over a block at batch 1 in one call (block_pass.cpp);
-and the draft decoder's batch-1 step and chain in one call (draft_step.cpp).
+the draft decoder's batch-1 step and chain in one call (draft_step.cpp); and head training's
+dropout (dropout.cpp).
 
 Built with torch's C++ extension tools on first use (scripts/setup.sh builds it once, so
 that decoding never waits for a compiler) into torch's extension cache, for this machine's
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 VARIABLE = "FAIRSEQ_BPD_KERNELS"
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("lean.cpp", "few_rows.cpp", "draft_step.cpp", "block_pass.cpp")]
+SOURCES = [os.path.join(CSRC, name) for name in ("lean.cpp", "few_rows.cpp", "draft_step.cpp", "block_pass.cpp", "dropout.cpp")]
 HEADERS = [os.path.join(CSRC, "lean.h")]
 DTYPES = (torch.float32, torch.float64)
 

@@ -22,6 +22,7 @@ from .decoder import BlockwiseDecoder
 from .errors import BlockwiseRequestError
 from .hub import BlockwiseHubInterface
 from .heads import HEAD_TYPES, shortlist_problem
+from .stored_features import stored_encoder_out
 
 # The number of heads a model gets when training gives neither --proposal-heads nor
 # --block-size.
@@ -72,6 +73,15 @@ class BlockwiseHeadsConfig(FairseqDataclass):
             "help": "heads 2..k predict only among the first N entries of the target "
             "dictionary (fairseq-preprocess sorts it by frequency): their training "
             "loss and their proposals cost N/V of the full softmax (0: all)"
+        },
+    )
+    heads_bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "train the heads' own products (their layers' matrices) in bfloat16 "
+            "under torch.autocast, several times faster than float32 on CPUs with AMX and "
+            "on GPUs; their weights, attention, norms and residual sums stay float32, and "
+            "the base and decoding are untouched"
         },
     )
     draft_train_heads: int = field(
@@ -130,6 +140,16 @@ class BlockwiseTransformerModel(TransformerModel):
                 if name != "heads":
                     child.eval()
         return self
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, stored_features=None, **kwargs):
+        """fairseq's forward. stored_features (--stored-features: the frozen base's encoder output
+        S x B x C and top-layer features B x T x C of this batch, stored_features.py): the base
+        is not run, and the heads read these as they read its own."""
+        if stored_features is None:
+            return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
+        encoder_out = stored_encoder_out(stored_features, src_tokens, self.encoder.padding_idx)
+        return self.decoder(prev_output_tokens, encoder_out=encoder_out, base_features=stored_features["decoder"],
+                            src_lengths=src_lengths, **kwargs)
 
     @classmethod
     def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):

@@ -4,12 +4,13 @@
   0.12 does not say otherwise) may build exactly the globals a fairseq checkpoint holds,
   found with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints of this
   plugin and of plain --arch transformer; nothing more.
-- fairseq's checkpoint loader: a file that is no loadable checkpoint raises
-  CheckpointError naming it and why, not a pickle traceback; a checkpoint's model may
+- fairseq's checkpoint loader: a file that is no loadable checkpoint (a packed one among
+  them) raises CheckpointError naming it and why, not a pickle traceback; a checkpoint's model may
   upgrade the options it was saved with (upgrade_saved_options) before load-time
   overrides are applied; the decoding flags saved in its task options are the training
   run's, not a request: a task built from them (the hub) decodes as the load's overrides
-  ask, each flag not given at its default.
+  ask, each flag not given at its default; its --stored-features, a training run's
+  directory, is forgotten.
 - fairseq's checkpoint copies are atomic, so a killed job leaves a whole
   checkpoint_last.pt to resume from.
 - fairseq's commands (fairseq-generate, fairseq-train, python -m fairseq_cli.generate,
@@ -123,6 +124,8 @@ def _not_a_checkpoint(path, local_path, corrupt):
         return f"{corrupt}, or torch.save did not write it ({type(reason).__name__}: {reason})"
     if isinstance(state, dict) and "model" in state and ("cfg" in state or "args" in state):
         return None
+    if isinstance(state, dict) and "packed_model" in state:
+        return packed(path)
     found = f"a {type(state).__name__}"
     if isinstance(state, dict):
         keys = sorted(map(repr, state))
@@ -132,6 +135,11 @@ def _not_a_checkpoint(path, local_path, corrupt):
         "fairseq-train saves a dict of 'model', the weights, and 'cfg', the configuration "
         "the model is built from)"
     )
+
+
+def packed(path):
+    return (f"{path} is a packed checkpoint (scripts/pack_checkpoint.py): unpack it first, "
+            f"python scripts/pack_checkpoint.py unpack {path} OUT.pt, and load OUT.pt")
 
 
 _fairseq_load_checkpoint_to_cpu = checkpoint_utils.load_checkpoint_to_cpu
@@ -168,8 +176,11 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         if message is None:
             raise
         raise CheckpointError(message) from None
+    if "model" not in state and "packed_model" in state:  # fairseq would end in a bare KeyError: 'model'
+        raise CheckpointError(packed(path))
     upgrade_saved_options(state)
     forget_saved_decoding_flags(state, arg_overrides or {})
+    forget_stored_features(state, arg_overrides or {})
     if late:
         if state.get("args") is not None:
             for name, value in late.items():
@@ -206,6 +217,16 @@ def forget_saved_decoding_flags(state, overrides):
     with open_dict(task):
         for name in TranslationBlockwiseTask.decoding_options:
             task[name] = overrides.get(name, flag(name))
+
+
+def forget_stored_features(state, overrides):
+    """The checkpoint's task options without the --stored-features its training read: a task
+    built from them (the hub, the scripts) loads its data as any other, and runs the base."""
+    cfg = state.get("cfg")
+    task = cfg.get("task") if cfg is not None else None
+    if isinstance(task, DictConfig) and task.get("stored_features") and "stored_features" not in overrides:
+        with open_dict(task):
+            task.stored_features = None
 
 
 # fairseq's trainer, load_model_ensemble(_and_task) and hub_utils all reach the loader as

@@ -270,7 +270,7 @@ class Int8Product(tuple):
     does not serve, torch's weight-only kernel runs (x rounded to bf16, bf16 scales; bf16 out
     where no bias is added, which a sum with float32 promotes). More rows than
     INT8_MOST_ROWS, and inputs neither kernel takes (float64, autograd), run the Product of
-    W (a bias of zeros where none; lazy: Product's)."""
+    W (a bias of zeros where none; lazy: Product's) on x in W's dtype."""
 
     def __new__(cls, weight, bias, lazy=False):
         if weight.size(0) % INT8_ROWS:
@@ -298,7 +298,8 @@ class Int8Product(tuple):
         where given."""
         if (x.size(0) > INT8_MOST_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad
                 or x.device.type != "cpu"):
-            return finish(self.full(x), add, relu, out)
+            # In W's dtype: Product's matmul takes no mixed dtypes (float64 rows, W float32).
+            return finish(self.full(x.to(self[0].dtype)), add, relu, out)
         kern = kernels.module() if x.dtype == torch.float32 else None
         if kern is not None:
             if x.stride(1) != 1:  # the kernel reads each row's channels in one run

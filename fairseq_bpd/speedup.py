@@ -23,7 +23,6 @@ checkpoint_last.pt. A module rather than a script, so that an installed plugin h
 (without step 3, whose script is the clone's). The plugin never imports it.
 """
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 
 from .model import BlockwiseTransformerModel
+from .stored_features import sha256
 from .speedup_steps import (
     DATE_FORMAT, LOG_FORMAT, PLUGIN, check, distil, minutes, model_options, rates, refuse, say, speed, train,
     training_args, widths,
@@ -126,14 +126,6 @@ def check_source(path, data, src):
         say(f"warning: {unknown:.0%} of SOURCE's tokens are not in DATA's dict.{src}.txt: is it tokenised "
             "and BPE'd as DATA's training source?")
     return len(lines)
-
-
-def digest(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_record(path):
@@ -241,9 +233,9 @@ def main(argv=None):
     job.batching = ["--max-tokens", 8000, "--required-batch-size-multiple", 1, "--log-format", "simple",
                     "--log-interval", 1, *job.cpu]
     inputs = {
-        "checkpoint": os.path.abspath(job.checkpoint), "checkpoint_sha256": digest(job.checkpoint),
+        "checkpoint": os.path.abspath(job.checkpoint), "checkpoint_sha256": sha256(job.checkpoint),
         "data": os.path.abspath(job.data), "source": os.path.abspath(job.source),
-        "source_sha256": digest(job.source), "source_lang": job.src, "target_lang": job.tgt,
+        "source_sha256": sha256(job.source), "source_lang": job.src, "target_lang": job.tgt,
         **{name: getattr(job, name) for name in ("updates", "proposal_heads", "head_type", "head_vocab",
                                                  "head_ffn_dim", "max_tokens", "train_flags")},
     }

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from fairseq import utils
 from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -14,13 +15,15 @@ from .errors import BlockwiseRequestError
 from .generator import BlockwiseStats
 from .options import BlockwiseDecodingConfig, BlockwiseOptions
 from .refusals import refuse_generation, refuse_task_options_in_generation
+from .stored_features import StoredFeatures, StoredFeaturesConfig, refuse_unfrozen
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class TranslationBlockwiseConfig(BlockwiseDecodingConfig, TranslationConfig):
-    """TranslationConfig, then the decoding flags (options.py)."""
+class TranslationBlockwiseConfig(StoredFeaturesConfig, BlockwiseDecodingConfig, TranslationConfig):
+    """TranslationConfig, then the decoding flags (options.py) and training's --stored-features
+    (stored_features.py)."""
 
 
 def log_at_exit(stats):
@@ -58,7 +61,8 @@ class _Blockwise(argparse._StoreTrueAction):
 class TranslationBlockwiseTask(TranslationTask):
     """TranslationTask whose generator is blockwise parallel decoding under --blockwise.
 
-    Every refusal is made in refusals.py and raises BlockwiseRequestError (errors.py).
+    Every refusal is made in refusals.py, --stored-features' in stored_features.py; they
+    raise BlockwiseRequestError (errors.py).
     """
 
     cfg: TranslationBlockwiseConfig
@@ -78,6 +82,46 @@ class TranslationBlockwiseTask(TranslationTask):
         if "beam" in actions:  # a generation parser, not fairseq-train's
             actions["beam"].__class__ = _TypedBeam  # the parser made them: only their calls change
             actions["blockwise"].__class__ = _Blockwise
+
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        super().load_dataset(split, epoch, combine, **kwargs)
+        if self.cfg.stored_features:
+            paths = utils.split_paths(self.cfg.data)  # the path fairseq's load_dataset read
+            path = paths[(epoch - 1) % len(paths)] if split == self.cfg.train_subset else paths[0]
+            langs = (self.cfg.source_lang, self.cfg.target_lang)
+            self.datasets[split] = self.stored_features().wrap(split, self.datasets[split], path, langs, combine)
+
+    def stored_features(self):
+        """The --stored-features directory, its meta.json read once."""
+        if getattr(self, "_stored_features", None) is None:
+            self._stored_features = StoredFeatures(self.cfg.stored_features)
+        return self._stored_features
+
+    def build_model(self, cfg, from_checkpoint=False):
+        if self.cfg.stored_features:
+            refuse_unfrozen(cfg)
+        model = super().build_model(cfg, from_checkpoint)
+        if self.cfg.stored_features:
+            self.stored_features().check_widths(model)
+        return model
+
+    def train_step(self, sample, model, *args, **kwargs):
+        if self.cfg.stored_features:
+            self.stored_features().check_base(model, sample)
+        return super().train_step(sample, model, *args, **kwargs)
+
+    def valid_step(self, sample, model, criterion):
+        if self.cfg.stored_features:
+            self.stored_features().check_base(model, sample)
+        return super().valid_step(sample, model, criterion)
+
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+        # Stored base features are for training's loss (--eval-bleu decodes batches that
+        # carry them): decoding runs the base itself.
+        if "stored_features" in sample.get("net_input", {}):
+            net_input = {k: v for k, v in sample["net_input"].items() if k != "stored_features"}
+            sample = {**sample, "net_input": net_input}
+        return super().inference_step(generator, models, sample, prefix_tokens, constraints)
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
         # fairseq drops a last batch whose size is not a multiple of this flag.

@@ -55,9 +55,13 @@ def load_rates_file(path):
     try:
         with open(path) as f:
             data = json.load(f)
-        rates = data["rates"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"--blockwise-tree-rates: cannot read rates from {path} ({error})") from None
+    except OSError as error:
+        raise ValueError(f"--blockwise-tree-rates: cannot read {path} ({error.strerror or error})") from None
+    except ValueError as error:  # json's own message says where: "Expecting value: line 1 column 1 (char 0)"
+        raise ValueError(f"--blockwise-tree-rates: {path} is not JSON ({error})") from None
+    if not isinstance(data, dict) or "rates" not in data:
+        raise ValueError(f"--blockwise-tree-rates: {path} is no scripts/tree_rates.py file: it has no \"rates\" entry")
+    rates = data["rates"]
     if not is_rate_table(rates):
         raise ValueError(f"--blockwise-tree-rates: {path} holds no heads x ranks table of rates in [0, 1]")
     vocab = data.get("proposal_vocab")

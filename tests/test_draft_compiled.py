@@ -15,7 +15,7 @@ from test_generator import blockwise, greedy
 from fairseq_bpd import draft_step, kernels
 from fairseq_bpd.draft import DraftDecoder
 from fairseq_bpd import product as product_module
-from fairseq_bpd.product import Int8Product
+from fairseq_bpd.product import INT8_MOST_ROWS, Int8Product
 
 
 @pytest.fixture
@@ -105,6 +105,15 @@ def test_an_int8_product_refuses_what_it_would_misread(kern):
         kern.int8_product(x, packed, scales, None, torch.randn(3, 40))
     with pytest.raises(RuntimeError, match="out"):
         kern.int8_product(x, packed, scales, None, None, False, torch.randn(2, 41))
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float64, 3), (torch.bfloat16, INT8_MOST_ROWS + 1)])
+def test_rows_neither_kernel_takes_run_the_float_product_in_the_weights_dtype(dtype, rows):
+    weight, bias = torch.randn(32, 40), torch.randn(40)
+    x = torch.randn(rows, 32).to(dtype)
+    y = Int8Product(weight, bias)(x)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y, torch.addmm(bias, x.float(), weight), rtol=1e-5, atol=1e-5)
 
 
 def test_a_later_step_is_one_compiled_call_close_to_the_python_steps(data_dir, monkeypatch):

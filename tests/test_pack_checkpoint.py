@@ -99,3 +99,15 @@ def test_the_script_refuses_a_misplaced_head_vocab(tmp_path):
     done = subprocess.run([*script, "pack", str(tmp_path / "missing.pt"), str(tmp_path / "x.pt")],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "missing.pt" in done.stderr
+
+
+def test_loading_a_packed_file_says_to_unpack_it(tmp_path):
+    """fairseq's loader would end in a bare KeyError: 'model'."""
+    import fairseq_bpd  # noqa: F401 (its loader)
+    from fairseq import checkpoint_utils
+    from fairseq_bpd.errors import CheckpointError
+
+    checkpoint(tmp_path / "full.pt")
+    pack(tmp_path / "full.pt", tmp_path / "packed.pt")
+    with pytest.raises(CheckpointError, match=r"packed\.pt is a packed checkpoint .*pack_checkpoint\.py unpack"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "packed.pt"))

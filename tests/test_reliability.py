@@ -184,7 +184,7 @@ def test_unreadable_tree_rates_and_a_distance_without_numbers_are_one_line_refus
     bad = tmp_path / "rates.json"
     bad.write_text("{bad")
     assert refused("fairseq-generate", tiny.data, *decode, "--blockwise-tree", 2, "--blockwise-tree-rates",
-                   bad).startswith(f"error: --blockwise: --blockwise-tree-rates: cannot read rates from {bad}")
+                   bad).startswith(f"error: --blockwise: --blockwise-tree-rates: {bad} is not JSON (")
     assert refused("fairseq-generate", tiny.data, *decode, "--blockwise-distance", 1).startswith(
         "error: --blockwise: --blockwise-distance 1.0 needs a target dictionary of numbers")
 

@@ -287,11 +287,26 @@ def test_cache_compaction_of_tree_paths_matches_a_full_prefix_pass(data_dir):
     (["--blockwise-tree", "5000"], "--blockwise-tree must be between 0 .* \\(got 5000\\)"),
     (["--blockwise-tree-rates", "rates.json"], "--blockwise-tree-rates shapes a tree; give --blockwise-tree N"),
     (["--blockwise-tree", "8", "--blockwise-tree-rates", "/nonexistent/rates.json"],
-     "--blockwise-tree-rates: cannot read rates from /nonexistent/rates.json"),
+     "--blockwise-tree-rates: cannot read /nonexistent/rates.json \\(No such file or directory\\)"),
 ])
 def test_bad_tree_requests_are_refused_by_name(data_dir, flags, message):
     task, model, _ = build(data_dir, "--block-size", "3", "--blockwise", *flags)
     with pytest.raises(ValueError, match=f"^--blockwise: {message}"):
+        task.build_generator([model], Namespace(beam=1))
+
+
+@pytest.mark.parametrize("text,why", [
+    ("{bad", "is not JSON \\(Expecting property name"),
+    ("[[0.9, 0.5]]", 'is no scripts/tree_rates.py file: it has no "rates" entry$'),
+    ('{"heads": 2}', 'is no scripts/tree_rates.py file: it has no "rates" entry$'),
+    ('{"rates": "high"}', "holds no heads x ranks table of rates in \\[0, 1\\]$"),
+])
+def test_a_malformed_rates_file_is_refused_saying_what_is_wrong(data_dir, tmp_path, text, why):
+    rates = tmp_path / "rates.json"
+    rates.write_text(text)
+    task, model, _ = build(data_dir, "--block-size", "3", "--blockwise", "--blockwise-tree", "3",
+                           "--blockwise-tree-rates", str(rates))
+    with pytest.raises(ValueError, match=f"^--blockwise: --blockwise-tree-rates: {rates} {why}"):
         task.build_generator([model], Namespace(beam=1))
 
 

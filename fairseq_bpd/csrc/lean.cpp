@@ -284,6 +284,9 @@ at::Tensor float_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& add, bool relu,
                          std::optional<at::Tensor> out);
 
+// dropout.cpp
+at::Tensor hash_dropout(const at::Tensor& x, double p, int64_t seed);
+
 // draft_step.cpp, block_pass.cpp
 void bind_draft_layer(pybind11::module& m);
 void bind_block_pass(pybind11::module& m);
@@ -299,6 +302,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_product", &float_product, "x · W (+ bias) (+ add) (relu) on packed float32 weights", py::arg("x"),
         py::arg("packed"), py::arg("outputs"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
         py::arg("relu") = false, py::arg("out") = py::none());
+  m.def("hash_dropout", &hash_dropout, "dropout whose mask hashes each element's index with a seed");
   bind_draft_layer(m);
   bind_block_pass(m);
 }
