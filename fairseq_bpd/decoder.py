@@ -222,8 +222,9 @@ class BlockwiseDecoder(TransformerDecoderBase):
 
     def block_features(self, x, inputs, encoder_out):
         """The heads' teacher-forced features B x T x C -> B x T x k x C (float32 where x is):
-        under --heads-bf16, while the heads train, their products run in bfloat16."""
-        if not (self.heads_bf16 and self.heads.training and torch.is_grad_enabled()):
+        under --heads-bf16, while the heads of a float32 model train, their products run in
+        bfloat16 (a float16 or float64 model trains in its own dtype)."""
+        if not (self.heads_bf16 and self.heads.training and torch.is_grad_enabled() and x.dtype == torch.float32):
             return self.heads.block_features(x, inputs=inputs, encoder_out=encoder_out)
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             return self.heads.block_features(x, inputs=inputs, encoder_out=encoder_out).to(x.dtype)

@@ -11,6 +11,7 @@ limits, it is nn.Dropout.
 """
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from . import kernels
 
@@ -25,12 +26,13 @@ class _HashDropout(torch.autograd.Function):
         return module.hash_dropout(x.contiguous(), p, seed)
 
     @staticmethod
+    @once_differentiable  # its backward is the kernel, which autograd cannot differentiate again
     def backward(ctx, grad):
         return ctx.module.hash_dropout(grad.contiguous(), ctx.p, ctx.seed), None, None, None
 
 
 def hash_dropout(x, p, seed, module=None):
-    """x with each element kept with probability 1 - p (scaled by 1 / (1 - p)), else 0, by the
+    """x with each element kept with probability 1 - p (scaled by 1 / (1 - p)), else times 0, by the
     kept mask that `seed` and the element's index in x (made contiguous) decide: ... -> ..."""
     return _HashDropout.apply(x, p, seed, module or kernels.module())
 

@@ -278,6 +278,12 @@ def print_refusals(fallback):
         chained = value.__cause__ is not None or (value.__context__ is not None and not value.__suppress_context__)
         if isinstance(value, BlockwiseRequestError) and not chained:
             print(f"error: {value}", file=sys.stderr)
+            # Out now, not through the interpreter's shutdown: a refusal made mid-training
+            # leaves fairseq's data thread (a daemon) inside torch, and a shutdown around it
+            # aborted the process after the message (terminate called, status 134).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         else:
             fallback(kind, value, traceback)
 

@@ -10,7 +10,8 @@ A directory holds, per subset, float32 .npy files of concatenated rows (memory-m
 when read): {subset}.encoder.npy (source tokens x encoder width) and {subset}.decoder.npy
 (target positions x decoder width), each sentence's rows in dataset index order, with
 {subset}.offsets.npy (sentences + 1 x 2: where each sentence's source and target rows
-start); and meta.json, written last, which says what they were made from.
+start); and meta.json, which says what they were made from and lists a subset only once its
+files are whole.
 """
 import hashlib
 import json
@@ -61,11 +62,12 @@ def sha256(path):
 
 
 def data_files(data_path, split, src, tgt, combined):
-    """{name: bytes} of the binarised files fairseq reads for `split` of the pair src-tgt
-    (with split1, split2, ... where `combined`, as fairseq-train reads its training subset)."""
+    """{name: sha256} of the binarised files fairseq reads for `split` of the pair src-tgt
+    (with split1, split2, ... where `combined`, as fairseq-train reads its training subset):
+    by content, since a file edited in place keeps its size."""
     pair = rf"({re.escape(src)}-{re.escape(tgt)}|{re.escape(tgt)}-{re.escape(src)})"
     pattern = re.compile(rf"{re.escape(split)}(\d*)\.{pair}\.({re.escape(src)}|{re.escape(tgt)})\.(bin|idx)")
-    return {name: os.path.getsize(os.path.join(data_path, name)) for name in sorted(os.listdir(data_path))
+    return {name: sha256(os.path.join(data_path, name)) for name in sorted(os.listdir(data_path))
             if (m := pattern.fullmatch(name)) and (combined or not m.group(1))}
 
 
@@ -131,6 +133,17 @@ def store_subset(model, task, subset, directory, max_tokens, combined=False):
             "files": data_files(data_path, subset, task.cfg.source_lang, task.cfg.target_lang, combined)}
 
 
+def array_problem(path, shape):
+    """Why the stored rows at `path` are not a float32 array of `shape`, or None."""
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as error:  # missing, a header cut short, data shorter than the header says
+        return f"cannot read {os.path.basename(path)} ({error})"
+    if array.shape != shape or array.dtype != np.float32:
+        return f"{os.path.basename(path)} holds {array.dtype} rows {array.shape}, not float32 {shape}"
+    return None
+
+
 def refuse_unfrozen(model_cfg):
     if not getattr(model_cfg, "freeze_base", False):
         raise BlockwiseRequestError("--stored-features needs --freeze-base: the stored features are the "
@@ -155,10 +168,13 @@ class StoredFeatures:
         self.directory, self.checked = directory, False
         path = os.path.join(directory, META)
         if not os.path.isfile(path):
-            raise BlockwiseRequestError(f"--stored-features {directory}: no {META} there ({SCRIPT} writes it "
-                                        f"last, so a directory whose run was cut short has none)")
-        with open(path) as f:
-            self.meta = json.load(f)
+            raise BlockwiseRequestError(f"--stored-features {directory}: no {META} there ({SCRIPT} writes it)")
+        try:
+            with open(path) as f:
+                self.meta = json.load(f)
+            self.meta["subsets"], self.meta["encoder_dim"], self.meta["decoder_dim"]  # noqa: B018 (present)
+        except (ValueError, TypeError, KeyError) as error:
+            self.refuse(f"{path} is not the meta.json {SCRIPT} writes ({type(error).__name__}: {error})")
 
     def refuse(self, why):
         raise BlockwiseRequestError(f"--stored-features {self.directory}: {why}; remake them with {SCRIPT}")
@@ -172,8 +188,9 @@ class StoredFeatures:
         files = data_files(data_path, split, *langs, combined)
         if files != entry["files"]:
             changed = sorted(set(files.items()) ^ set(entry["files"].items()))[0][0]
-            self.refuse(f"'{split}' in {data_path} is not the data they were made from ({changed}: "
-                        f"{files.get(changed, 'no such file')} bytes here, {entry['files'].get(changed, 'none')} then)")
+            why = "not the file they were made from" if changed in files and changed in entry["files"] else (
+                "not there" if changed not in files else "not read when they were made")
+            self.refuse(f"'{split}' in {data_path} is not the data they were made from ({changed}: {why})")
         offsets = np.load(os.path.join(self.directory, f"{split}.offsets.npy"))
         here = offsets_of(dataset)
         if len(offsets) != len(here):
@@ -184,6 +201,10 @@ class StoredFeatures:
             i = int(differ[0])
             self.refuse(f"sentence {i} of '{split}' has {sizes[i][0]} source and {sizes[i][1]} target tokens "
                         f"here, {kept[i][0]} and {kept[i][1]} stored (--truncate-source? another DATA?)")
+        for side, column, width in (("encoder", 0, self.meta["encoder_dim"]), ("decoder", 1, self.meta["decoder_dim"])):
+            problem = array_problem(os.path.join(self.directory, f"{split}.{side}.npy"), (int(offsets[-1, column]), width))
+            if problem:
+                self.refuse(problem)
         return StoredFeaturesDataset(dataset, self.directory, split, offsets, entry["unstored"])
 
     def check_widths(self, model):

@@ -87,7 +87,10 @@ class TranslationBlockwiseTask(TranslationTask):
         super().load_dataset(split, epoch, combine, **kwargs)
         if self.cfg.stored_features:
             paths = utils.split_paths(self.cfg.data)  # the path fairseq's load_dataset read
-            path = paths[(epoch - 1) % len(paths)] if split == self.cfg.train_subset else paths[0]
+            if len(paths) > 1:  # one directory of features stores one directory's data
+                raise BlockwiseRequestError(f"--stored-features reads the features of one data directory; "
+                                            f"DATA names {len(paths)} ({self.cfg.data})")
+            path = paths[0]
             langs = (self.cfg.source_lang, self.cfg.target_lang)
             self.datasets[split] = self.stored_features().wrap(split, self.datasets[split], path, langs, combine)
 

@@ -23,7 +23,7 @@ import torch
 
 from fairseq_bpd.bench import load, pick_device
 from fairseq_bpd.errors import BlockwiseRequestError
-from fairseq_bpd.stored_features import META, data_files, sha256, store_subset, widths
+from fairseq_bpd.stored_features import META, array_problem, data_files, sha256, store_subset, widths
 
 
 def main():
@@ -52,24 +52,40 @@ def main():
             before = json.load(f)
         if all(before.get(key) == meta[key] for key in meta if key not in ("checkpoint", "subsets")):
             meta["subsets"] = before["subsets"]
-        os.remove(meta_path)  # written again last: a run cut short leaves none
     data_path = task.cfg.data.split(":")[0]
     for subset in args.subsets:
         kept = meta["subsets"].get(subset)
-        if kept and kept["files"] == data_files(data_path, subset, task.cfg.source_lang, task.cfg.target_lang,
-                                                kept["combined"]) and kept["combined"] == (subset == args.train_subset):
+        if kept and whole(args.out, subset, kept, meta) and kept["combined"] == (subset == args.train_subset) \
+                and kept["files"] == data_files(data_path, subset, task.cfg.source_lang, task.cfg.target_lang,
+                                                kept["combined"]):
             print(f"{subset}: kept (stored from this checkpoint and these files)")
             continue
+        # The subset leaves meta.json while its files are written: a run cut short leaves the
+        # others usable and this one unlisted.
+        meta["subsets"].pop(subset, None)
+        write_meta(meta, meta_path)
         try:
             meta["subsets"][subset] = entry = store_subset(
                 model, task, subset, args.out, args.max_tokens, combined=subset == args.train_subset)
-        except BlockwiseRequestError as error:
+        except (BlockwiseRequestError, FileNotFoundError, AssertionError) as error:  # no such subset; --max-tokens too small
             raise SystemExit(f"error: {subset}: {error}") from None
         print(f"{subset}: {entry['sentences']} sentences, {entry['source_tokens']} source and "
               f"{entry['target_tokens']} target tokens"
               + (f", {len(entry['unstored'])} too long for the base (not stored)" if entry["unstored"] else ""))
-    with open(meta_path, "w") as f:
+    write_meta(meta, meta_path)
+
+
+def whole(directory, subset, entry, meta):
+    """Whether the subset's stored rows are all there, as its entry counts them."""
+    return not any(array_problem(os.path.join(directory, f"{subset}.{side}.npy"), (entry[f"{kind}_tokens"], meta[f"{side}_dim"]))
+                   for side, kind in (("encoder", "source"), ("decoder", "target")))
+
+
+def write_meta(meta, path):
+    """meta.json, replaced whole (never a file cut short)."""
+    with open(path + ".tmp", "w") as f:
         json.dump(meta, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

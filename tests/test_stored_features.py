@@ -114,7 +114,7 @@ def test_stored_features_are_each_sentences_own(stored):
         entry = meta["subsets"][split]
         assert entry["sentences"] == sentences and entry["unstored"] == []
         names = [f"{split}.de-en.{lang}.{ext}" for lang in ("de", "en") for ext in ("bin", "idx")]
-        assert entry["files"] == {name: os.path.getsize(f"{stored.data}/{name}") for name in names}
+        assert entry["files"] == {name: sha256(f"{stored.data}/{name}") for name in names}
         offsets = np.load(f"{stored.features}/{split}.offsets.npy")
         encoder, decoder = (np.load(f"{stored.features}/{split}.{side}.npy") for side in ("encoder", "decoder"))
         assert encoder.shape == (entry["source_tokens"], 16) and decoder.shape == (entry["target_tokens"], 16)
@@ -216,9 +216,22 @@ def test_refusals_name_the_flag_and_the_file(stored, tmp_path):
     edit_meta(copy, lambda meta: meta["subsets"].pop("valid"))
     refused(copy, r"no features of 'valid' there \(only of train\)")
     copy = copy_features(stored, tmp_path / "files")
-    edit_meta(copy, lambda meta: meta["subsets"]["valid"]["files"].update({"valid.de-en.en.bin": 1}))
+    edit_meta(copy, lambda meta: meta["subsets"]["valid"]["files"].update({"valid.de-en.en.bin": "0" * 64}))
     refused(copy, rf"'valid' in {re.escape(stored.data)} is not the data they were made from "
-                  r"\(valid.de-en.en.bin: \d+ bytes here, 1 then\)")
+                  r"\(valid.de-en.en.bin: not the file they were made from\)")
+    with open(f"{copy}/meta.json", "w") as f:
+        f.write("{cut")
+    refused(copy, r"\S+meta.json is not the meta.json scripts/store_features.py .* writes \(JSONDecodeError")
+    copy = copy_features(stored, tmp_path / "rows")
+    rows = np.load(f"{copy}/valid.decoder.npy")
+    np.save(f"{copy}/valid.decoder.npy", rows[:-2])
+    refused(copy, rf"valid.decoder.npy holds float32 rows \({rows.shape[0] - 2}, 16\), not float32 \({rows.shape[0]}, 16\)")
+    os.remove(f"{copy}/valid.decoder.npy")
+    refused(copy, r"cannot read valid.decoder.npy")
+    task, _ = heads_task(stored, "--freeze-base", "--stored-features", stored.features)
+    task.cfg.data = f"{stored.data}:{stored.data}"
+    with pytest.raises(BlockwiseRequestError, match="^--stored-features reads the features of one data directory"):
+        task.load_dataset("train")
     copy = copy_features(stored, tmp_path / "sizes")
     offsets = np.load(f"{copy}/valid.offsets.npy")
     np.save(f"{copy}/valid.offsets.npy", offsets[:-1])
@@ -240,7 +253,7 @@ def test_sentences_too_long_for_the_base_are_named(stored, tmp_path, monkeypatch
     offsets = np.load(tmp_path / "valid.offsets.npy")
     decoder = np.load(tmp_path / "valid.decoder.npy")
     assert not decoder[offsets[long[0], 1]:offsets[long[0] + 1, 1]].any()
-    (tmp_path / "meta.json").write_text(json.dumps({"subsets": {"valid": entry}}))
+    (tmp_path / "meta.json").write_text(json.dumps({"subsets": {"valid": entry}, "encoder_dim": 16, "decoder_dim": 16}))
     wrapped = StoredFeatures(str(tmp_path)).wrap("valid", dataset, stored.data, ("de", "en"), False)
     wrapped.collater([wrapped[i] for i in range(len(dataset)) if i not in long])
     with pytest.raises(BlockwiseRequestError, match=f"sentence {long[0]} of 'valid' was too long"):
@@ -323,3 +336,16 @@ def test_recipe_draft_stores_the_features_once_and_trains_on_them(stored, tmp_pa
                                     env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     assert "train: kept" in again and "valid: kept" in again
     assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 2 updates\)", again)
+
+
+def test_a_failed_or_partial_store_leaves_the_other_subsets_usable(stored, tmp_path, capsys):
+    copy = copy_features(stored, tmp_path)
+    with pytest.raises(SystemExit, match="^error: test: "):
+        store(stored.data, stored.base, copy, "--subsets", "test")
+    with open(os.path.join(copy, "meta.json")) as f:
+        assert sorted(json.load(f)["subsets"]) == ["train", "valid"]
+    os.remove(os.path.join(copy, "train.decoder.npy"))  # a subset whose rows are gone is stored again
+    store(stored.data, stored.base, copy, "--max-tokens", "300")
+    out = capsys.readouterr().out
+    assert "valid: kept" in out and "train: kept" not in out
+    assert os.path.exists(os.path.join(copy, "train.decoder.npy"))

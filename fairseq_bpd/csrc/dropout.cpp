@@ -35,7 +35,8 @@ inline void hash_chunk(uint32_t* hash, uint32_t first, uint32_t low, uint32_t hi
   for (int j = 0; j < kChunk; ++j) hash[j] = element_hash(first + static_cast<uint32_t>(j), low, high);
 }
 
-// out[i] = x[i] * scale where element i is kept (its hash at or above `dropped`), else 0.
+// out[i] = x[i] * scale where element i is kept (its hash at or above `dropped`), else x[i] * 0
+// (a NaN or an infinity dropped stays NaN, as in torch's dropout).
 template <typename T>
 void keep_scaled(const T* x, T* out, int64_t first, int64_t end, uint32_t low, uint32_t high, uint32_t dropped,
                  double scale) {
@@ -47,7 +48,7 @@ void keep_scaled(const T* x, T* out, int64_t first, int64_t end, uint32_t low, u
     hash_chunk(hash, static_cast<uint32_t>(start), low, high);
 #pragma omp simd
     for (int j = 0; j < n; ++j)
-      out[start + j] = static_cast<T>(hash[j] >= dropped ? static_cast<Math>(x[start + j]) * kept_scale : Math(0));
+      out[start + j] = static_cast<T>(static_cast<Math>(x[start + j]) * (hash[j] >= dropped ? kept_scale : Math(0)));
   }
 }
 
@@ -66,7 +67,7 @@ void keep_scaled<at::BFloat16>(const at::BFloat16* x, at::BFloat16* out, int64_t
     hash_chunk(hash, static_cast<uint32_t>(start), low, high);
 #pragma omp simd
     for (int j = 0; j < n; ++j) {
-      const float y = hash[j] >= dropped ? __builtin_bit_cast(float, uint32_t(in[start + j]) << 16) * kept_scale : 0.0f;
+      const float y = __builtin_bit_cast(float, uint32_t(in[start + j]) << 16) * (hash[j] >= dropped ? kept_scale : 0.0f);
       const uint32_t bits = __builtin_bit_cast(uint32_t, y);
       const uint32_t rounded = (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16;
       result[start + j] = static_cast<uint16_t>(y != y ? 0x7fc0U : rounded);
