@@ -79,6 +79,14 @@ def offsets_of(dataset):
     return offsets
 
 
+def base_features(model, net_input):
+    """The base's encoder output (fairseq's dict) and top-layer decoder features B x T x C of
+    a batch's net_input: what is stored, and what the first batch is checked against."""
+    encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+    x, _ = model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
+    return encoder_out, x
+
+
 def write_rows(array, starts, ids, features, real):
     """Each sentence's features at its real tokens into its rows of `array`: features
     B x L x C, real B x L (the tokens not padding), ids B, starts: each sentence's first row."""
@@ -116,8 +124,7 @@ def store_subset(model, task, subset, directory, max_tokens, combined=False):
     stored = np.zeros(len(dataset), dtype=bool)
     for sample in batches:
         net_input = utils.move_to_cuda(sample["net_input"], device) if device.type == "cuda" else sample["net_input"]
-        encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
-        x, _ = model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
+        encoder_out, x = base_features(model, net_input)
         ids = sample["id"].numpy()
         write_rows(arrays["encoder"], offsets[:, 0], ids, encoder_out["encoder_out"][0].transpose(0, 1),
                    net_input["src_tokens"].ne(model.encoder.padding_idx))
@@ -133,14 +140,17 @@ def store_subset(model, task, subset, directory, max_tokens, combined=False):
             "files": data_files(data_path, subset, task.cfg.source_lang, task.cfg.target_lang, combined)}
 
 
-def array_problem(path, shape):
-    """Why the stored rows at `path` are not a float32 array of `shape`, or None."""
-    try:
-        array = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as error:  # missing, a header cut short, data shorter than the header says
-        return f"cannot read {os.path.basename(path)} ({error})"
-    if array.shape != shape or array.dtype != np.float32:
-        return f"{os.path.basename(path)} holds {array.dtype} rows {array.shape}, not float32 {shape}"
+def rows_problem(directory, subset, meta, source_tokens, target_tokens):
+    """Why `subset`'s stored rows in `directory` are not whole (float32 arrays of
+    source_tokens and target_tokens rows at meta's widths), or None."""
+    for side, rows in (("encoder", source_tokens), ("decoder", target_tokens)):
+        name, shape = f"{subset}.{side}.npy", (int(rows), meta[f"{side}_dim"])
+        try:
+            array = np.load(os.path.join(directory, name), mmap_mode="r")
+        except (OSError, ValueError) as error:  # missing, a header cut short, data shorter than the header says
+            return f"cannot read {name} ({error})"
+        if array.shape != shape or array.dtype != np.float32:
+            return f"{name} holds {array.dtype} rows {array.shape}, not float32 {shape}"
     return None
 
 
@@ -201,10 +211,9 @@ class StoredFeatures:
             i = int(differ[0])
             self.refuse(f"sentence {i} of '{split}' has {sizes[i][0]} source and {sizes[i][1]} target tokens "
                         f"here, {kept[i][0]} and {kept[i][1]} stored (--truncate-source? another DATA?)")
-        for side, column, width in (("encoder", 0, self.meta["encoder_dim"]), ("decoder", 1, self.meta["decoder_dim"])):
-            problem = array_problem(os.path.join(self.directory, f"{split}.{side}.npy"), (int(offsets[-1, column]), width))
-            if problem:
-                self.refuse(problem)
+        problem = rows_problem(self.directory, split, self.meta, *offsets[-1])
+        if problem:
+            self.refuse(problem)
         return StoredFeaturesDataset(dataset, self.directory, split, offsets, entry["unstored"])
 
     def check_widths(self, model):
@@ -224,8 +233,7 @@ class StoredFeatures:
             model = model.module
         stored = net_input["stored_features"]
         with torch.no_grad():
-            encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
-            x, _ = model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
+            encoder_out, x = base_features(model, net_input)
         source = net_input["src_tokens"].ne(model.encoder.padding_idx).t()  # S x B
         target = net_input["prev_output_tokens"].ne(model.decoder.padding_idx)  # B x T
         pairs = [(encoder_out["encoder_out"][0][source], stored["encoder_out"][source]),

@@ -20,10 +20,11 @@ import json
 import os
 
 import torch
+from fairseq import utils
 
 from fairseq_bpd.bench import load, pick_device
 from fairseq_bpd.errors import BlockwiseRequestError
-from fairseq_bpd.stored_features import META, array_problem, data_files, sha256, store_subset, widths
+from fairseq_bpd.stored_features import META, data_files, rows_problem, sha256, store_subset, widths
 
 
 def main():
@@ -52,10 +53,11 @@ def main():
             before = json.load(f)
         if all(before.get(key) == meta[key] for key in meta if key not in ("checkpoint", "subsets")):
             meta["subsets"] = before["subsets"]
-    data_path = task.cfg.data.split(":")[0]
+    data_path = utils.split_paths(task.cfg.data)[0]
     for subset in args.subsets:
         kept = meta["subsets"].get(subset)
-        if kept and whole(args.out, subset, kept, meta) and kept["combined"] == (subset == args.train_subset) \
+        if kept and not rows_problem(args.out, subset, meta, kept["source_tokens"], kept["target_tokens"]) \
+                and kept["combined"] == (subset == args.train_subset) \
                 and kept["files"] == data_files(data_path, subset, task.cfg.source_lang, task.cfg.target_lang,
                                                 kept["combined"]):
             print(f"{subset}: kept (stored from this checkpoint and these files)")
@@ -73,12 +75,6 @@ def main():
               f"{entry['target_tokens']} target tokens"
               + (f", {len(entry['unstored'])} too long for the base (not stored)" if entry["unstored"] else ""))
     write_meta(meta, meta_path)
-
-
-def whole(directory, subset, entry, meta):
-    """Whether the subset's stored rows are all there, as its entry counts them."""
-    return not any(array_problem(os.path.join(directory, f"{subset}.{side}.npy"), (entry[f"{kind}_tokens"], meta[f"{side}_dim"]))
-                   for side, kind in (("encoder", "source"), ("decoder", "target")))
 
 
 def write_meta(meta, path):
