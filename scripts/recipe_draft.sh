@@ -14,23 +14,28 @@
 # a proposal lexicon (scripts/proposal_lexicon.py) lets it propose past its shortlist. Its
 # checkpoints decode over the whole dictionary: pack with --head-vocab 2000
 # (scripts/pack_checkpoint.py), or decode with --blockwise-proposal-vocab 2000, for the
-# shortlist and the lexicon. The flags given go to both steps, before the second's own.
+# shortlist and the lexicon. FULL_UPDATES=N anneals that step: its learning rate falls
+# linearly to zero over N updates, where it stops (FULL_HOURS still caps it); a draft gains
+# a little from ending at rate zero (docs/draft.md). The flags given go to both steps,
+# before the second's own.
 # The frozen base's features are computed once, before training, into FEATURES
 # (scripts/store_features.py: about 3.6 GB for the 57,000 self-distilled pairs), and every
 # update reads them instead of running the base (--stored-features); the draft's own
 # products run in bfloat16 where the machine has it (--heads-bf16, --head-loss-bf16).
 # Usage: [BASE=work/demo/checkpoint.pt] [DATA=work/heads-data/all] [SAVE=work/heads-draft] [HOURS=1]
-#        [FULL_HOURS=0] [FEATURES=work/features] scripts/recipe_draft.sh [fairseq-train flags...]
+#        [FULL_HOURS=0] [FULL_UPDATES=] [FEATURES=work/features] scripts/recipe_draft.sh [fairseq-train flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-work}; BASE=${BASE:-$WORK/demo/checkpoint.pt}; DATA=${DATA:-$WORK/heads-data/all}
 SAVE=${SAVE:-$WORK/heads-draft}; SAVE=${SAVE%/}; HOURS=${HOURS:-1}; FULL_HOURS=${FULL_HOURS:-0}
-FEATURES=${FEATURES:-$WORK/features}
+FEATURES=${FEATURES:-$WORK/features}; FULL_UPDATES=${FULL_UPDATES:-}
 # fairseq reads --stop-time-hours 0 as no limit: refuse what is not a positive number of hours.
 positive() { awk -v h="$1" 'BEGIN { exit !(h ~ /^[0-9]*\.?[0-9]+$/ && h + 0 > 0) }'; }
 positive "$HOURS" || { echo "error: HOURS must be a positive number of hours, not '$HOURS'" >&2; exit 2; }
 positive "$FULL_HOURS" || awk -v h="$FULL_HOURS" 'BEGIN { exit !(h ~ /^0*\.?0*$/) }' \
   || { echo "error: FULL_HOURS must be 0 (no second step) or a positive number of hours, not '$FULL_HOURS'" >&2; exit 2; }
+[[ -z "$FULL_UPDATES" || "$FULL_UPDATES" =~ ^[1-9][0-9]*$ ]] \
+  || { echo "error: FULL_UPDATES must be a positive number of updates, not '$FULL_UPDATES'" >&2; exit 2; }
 [ -f "$DATA/train.de-en.en.bin" ] || { echo "error: no self-distilled pairs in $DATA: scripts/recipe_chained.sh makes them" >&2; exit 1; }
 # bfloat16 head projections only where the machine computes them natively: elsewhere torch
 # falls back to a reference matrix product many times slower than float32.
@@ -54,5 +59,8 @@ state = torch.load(sys.argv[1], map_location='cpu')
 state.get('extra_state', {}).pop('previous_training_time', None)
 torch.save(state, sys.argv[2])" "$SAVE/checkpoint_last.pt" "$START"
 fi
+ANNEAL=()
+[ -z "$FULL_UPDATES" ] || ANNEAL=(--lr-scheduler polynomial_decay --end-learning-rate 0
+  --total-num-update "$FULL_UPDATES" --max-update "$FULL_UPDATES")
 scripts/train_heads.sh "$DATA" "$START" "$SAVE-full" 8 frozen "${DRAFT[@]}" "$@" --head-vocab 0 \
-  --lr 5e-4 --stop-time-hours "$FULL_HOURS"
+  --lr 5e-4 "${ANNEAL[@]}" --stop-time-hours "$FULL_HOURS"

@@ -338,6 +338,26 @@ def test_recipe_draft_stores_the_features_once_and_trains_on_them(stored, tmp_pa
     assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 2 updates\)", again)
 
 
+def test_recipe_draft_anneals_the_whole_dictionary_step_over_full_updates(stored, tmp_path):
+    """FULL_UPDATES=N: the second step's learning rate falls linearly to zero at update N,
+    where that step stops; a FULL_UPDATES that is not a positive count is refused first."""
+    env = {**ENV, "WORK": str(tmp_path), "BASE": stored.base, "DATA": stored.data, "SAVE": str(tmp_path / "draft"),
+           "FEATURES": str(tmp_path / "features"), "HOURS": "1", "FULL_HOURS": "1"}
+    recipe = os.path.join(ROOT, "scripts", "recipe_draft.sh")
+    for bad in ("0", "2.5", "x"):
+        refused = subprocess.run([recipe], env={**env, "FULL_UPDATES": bad}, text=True, capture_output=True)
+        assert refused.returncode == 2 and f"FULL_UPDATES must be a positive number of updates, not '{bad}'" in refused.stderr
+    tiny = [*BASE[2:], *QUIET, "--max-tokens", "300", "--head-vocab", "0", "--warmup-updates", "1"]
+    log = finish(subprocess.Popen([recipe, *tiny, "--max-update", "2"], env={**env, "FULL_UPDATES": "3"},
+                                  text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    assert "done training" in log
+    state = torch.load(str(tmp_path / "draft-full" / "checkpoint_last.pt"), map_location="cpu", weights_only=False)
+    scheduler = state["cfg"]["lr_scheduler"]
+    assert scheduler["_name"] == "polynomial_decay" and scheduler["total_num_update"] == 3
+    assert state["optimizer_history"][-1]["num_updates"] == 3
+    assert [group["lr"] for group in state["last_optimizer_state"]["param_groups"]] == [0.0]
+
+
 def test_a_failed_or_partial_store_leaves_the_other_subsets_usable(stored, tmp_path, capsys):
     copy = copy_features(stored, tmp_path)
     with pytest.raises(SystemExit, match="^error: test: "):
