@@ -191,7 +191,11 @@ class StoredFeatures:
 
     def wrap(self, split, dataset, data_path, langs, combined):
         """`dataset` (split `split` of the pair langs, read from data_path) with its stored
-        features in each batch, once its files and sentence sizes are those they were made from."""
+        features in each batch, once its files, direction and sentence sizes are those they
+        were made from."""
+        made = (self.meta.get("source_lang"), self.meta.get("target_lang"))
+        if None not in made + tuple(langs) and tuple(langs) != made:  # the same files serve both directions
+            self.refuse(f"they were made for {made[0]}-{made[1]}, and this run trains {langs[0]}-{langs[1]}")
         entry = self.meta["subsets"].get(split)
         if entry is None:
             self.refuse(f"no features of '{split}' there (only of {', '.join(sorted(self.meta['subsets'])) or 'none'})")
@@ -210,7 +214,7 @@ class StoredFeatures:
         if len(differ):
             i = int(differ[0])
             self.refuse(f"sentence {i} of '{split}' has {sizes[i][0]} source and {sizes[i][1]} target tokens "
-                        f"here, {kept[i][0]} and {kept[i][1]} stored (--truncate-source? another DATA?)")
+                        f"here, {kept[i][0]} and {kept[i][1]} stored")
         problem = rows_problem(self.directory, split, self.meta, *offsets[-1])
         if problem:
             self.refuse(problem)

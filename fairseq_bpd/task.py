@@ -90,6 +90,12 @@ class TranslationBlockwiseTask(TranslationTask):
             if len(paths) > 1:  # one directory of features stores one directory's data
                 raise BlockwiseRequestError(f"--stored-features reads the features of one data directory; "
                                             f"DATA names {len(paths)} ({self.cfg.data})")
+            # Both change the sentences fairseq batches (their tokens, or the lengths it reports).
+            flags = {"--truncate-source": self.cfg.truncate_source, "--num-batch-buckets": self.cfg.num_batch_buckets}
+            for flag, on in flags.items():
+                if on:
+                    raise BlockwiseRequestError(f"--stored-features cannot be used with {flag}: the stored features "
+                                                f"are of the sentences as the data holds them")
             path = paths[0]
             langs = (self.cfg.source_lang, self.cfg.target_lang)
             self.datasets[split] = self.stored_features().wrap(split, self.datasets[split], path, langs, combine)

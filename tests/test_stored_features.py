@@ -239,6 +239,15 @@ def test_refusals_name_the_flag_and_the_file(stored, tmp_path):
     offsets[5:, 1] += 1  # sentence 4's target one longer
     np.save(f"{copy}/valid.offsets.npy", offsets)
     refused(copy, r"sentence 4 of 'valid' has \d+ source and (\d+) target tokens here, \d+ and (?!\1)\d+ stored")
+    # Flags that change the data's sentences, and the other direction of the same files, are named.
+    for flag in (["--truncate-source"], ["--num-batch-buckets", "2"]):
+        task, _ = heads_task(stored, "--freeze-base", *flag)
+        with pytest.raises(BlockwiseRequestError, match=f"^--stored-features cannot be used with {flag[0]}: "):
+            task.load_dataset("valid")
+    task, _ = heads_task(stored, "--freeze-base", "--source-lang", "en", "--target-lang", "de")
+    with pytest.raises(BlockwiseRequestError, match=r"^--stored-features \S+: they were made for de-en, and this "
+                                                    "run trains en-de; remake them"):
+        task.load_dataset("valid")
 
 
 def test_sentences_too_long_for_the_base_are_named(stored, tmp_path, monkeypatch):
@@ -346,7 +355,8 @@ def test_recipe_draft_anneals_the_whole_dictionary_step_over_full_updates(stored
     recipe = os.path.join(ROOT, "scripts", "recipe_draft.sh")
     for bad in ("0", "2.5", "x"):
         refused = subprocess.run([recipe], env={**env, "FULL_UPDATES": bad}, text=True, capture_output=True)
-        assert refused.returncode == 2 and f"FULL_UPDATES must be a positive number of updates, not '{bad}'" in refused.stderr
+        assert refused.returncode == 2
+        assert f"FULL_UPDATES must be a positive number of updates, not '{bad}'" in refused.stderr
     tiny = [*BASE[2:], *QUIET, "--max-tokens", "300", "--head-vocab", "0", "--warmup-updates", "1"]
     log = finish(subprocess.Popen([recipe, *tiny, "--max-update", "2"], env={**env, "FULL_UPDATES": "3"},
                                   text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
