@@ -195,7 +195,10 @@ class StoredFeatures:
         were made from."""
         made = (self.meta.get("source_lang"), self.meta.get("target_lang"))
         if None not in made + tuple(langs) and tuple(langs) != made:  # the same files serve both directions
-            self.refuse(f"they were made for {made[0]}-{made[1]}, and this run trains {langs[0]}-{langs[1]}")
+            raise BlockwiseRequestError(  # store_features.py takes the base's direction: not remade
+                f"--stored-features {self.directory}: they were made for {made[0]}-{made[1]} (the base's "
+                f"direction), and this run trains {langs[0]}-{langs[1]}: train with --source-lang {made[0]} "
+                f"--target-lang {made[1]}")
         entry = self.meta["subsets"].get(split)
         if entry is None:
             self.refuse(f"no features of '{split}' there (only of {', '.join(sorted(self.meta['subsets'])) or 'none'})")

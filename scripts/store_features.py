@@ -41,7 +41,9 @@ def main():
     if not os.path.isfile(args.checkpoint):
         raise SystemExit(f"error: checkpoint not found: {args.checkpoint}")
     digest = sha256(args.checkpoint)
-    model, task, _ = load(args.checkpoint, args.data)
+    # The sentences as the data holds them, as training with --stored-features reads them
+    # (it refuses both flags), whatever the base was trained with.
+    model, task, _ = load(args.checkpoint, args.data, {"truncate_source": False, "num_batch_buckets": 0})
     model = model.float().to(pick_device(args.cpu)).eval()
     os.makedirs(args.out, exist_ok=True)
     meta_path = os.path.join(args.out, META)

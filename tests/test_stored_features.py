@@ -245,9 +245,24 @@ def test_refusals_name_the_flag_and_the_file(stored, tmp_path):
         with pytest.raises(BlockwiseRequestError, match=f"^--stored-features cannot be used with {flag[0]}: "):
             task.load_dataset("valid")
     task, _ = heads_task(stored, "--freeze-base", "--source-lang", "en", "--target-lang", "de")
-    with pytest.raises(BlockwiseRequestError, match=r"^--stored-features \S+: they were made for de-en, and this "
-                                                    "run trains en-de; remake them"):
+    with pytest.raises(BlockwiseRequestError, match=r"^--stored-features \S+: they were made for de-en \(the base's "
+                                                    r"direction\), and this run trains en-de: train with "
+                                                    "--source-lang de --target-lang en$"):
         task.load_dataset("valid")
+
+
+def test_a_base_trained_with_truncate_source_or_batch_buckets_stores_the_sentences_as_held(stored, tmp_path):
+    """store_features.py reads the data as training with --stored-features does, whatever
+    the base's own task settings: fairseq's sizes under either flag are not the sentences'."""
+    state = torch.load(stored.base, map_location="cpu", weights_only=False)
+    state["cfg"]["task"]["truncate_source"], state["cfg"]["task"]["num_batch_buckets"] = True, 2
+    base = str(tmp_path / "base.pt")
+    torch.save(state, base)
+    store(stored.data, base, str(tmp_path / "features"), "--subsets", "valid", "--max-tokens", "300")
+    np.testing.assert_array_equal(np.load(tmp_path / "features" / "valid.offsets.npy"),
+                                  np.load(f"{stored.features}/valid.offsets.npy"))
+    np.testing.assert_allclose(np.load(tmp_path / "features" / "valid.decoder.npy"),
+                               np.load(f"{stored.features}/valid.decoder.npy"), atol=1e-6, rtol=1e-6)
 
 
 def test_sentences_too_long_for_the_base_are_named(stored, tmp_path, monkeypatch):
@@ -349,14 +364,22 @@ def test_recipe_draft_stores_the_features_once_and_trains_on_them(stored, tmp_pa
 
 def test_recipe_draft_anneals_the_whole_dictionary_step_over_full_updates(stored, tmp_path):
     """FULL_UPDATES=N: the second step's learning rate falls linearly to zero at update N,
-    where that step stops; a FULL_UPDATES that is not a positive count is refused first."""
+    where that step stops; a FULL_UPDATES that is not a positive count, or that no second
+    step or the flags given cannot take, is refused before anything runs."""
     env = {**ENV, "WORK": str(tmp_path), "BASE": stored.base, "DATA": stored.data, "SAVE": str(tmp_path / "draft"),
            "FEATURES": str(tmp_path / "features"), "HOURS": "1", "FULL_HOURS": "1"}
     recipe = os.path.join(ROOT, "scripts", "recipe_draft.sh")
+    def refused(changes, *flags):
+        run = subprocess.run([recipe, *flags], env={**env, **changes}, text=True, capture_output=True)
+        assert run.returncode == 2 and not os.path.exists(tmp_path / "features")  # before anything ran
+        return run.stderr
+
     for bad in ("0", "2.5", "x"):
-        refused = subprocess.run([recipe], env={**env, "FULL_UPDATES": bad}, text=True, capture_output=True)
-        assert refused.returncode == 2
-        assert f"FULL_UPDATES must be a positive number of updates, not '{bad}'" in refused.stderr
+        assert f"FULL_UPDATES must be a positive number of updates, not '{bad}'" in refused({"FULL_UPDATES": bad})
+    assert "FULL_UPDATES anneals the second step, and FULL_HOURS=0 runs none" in refused(
+        {"FULL_UPDATES": "3", "FULL_HOURS": "0"})
+    assert "--warmup-init-lr does not combine with FULL_UPDATES" in refused(
+        {"FULL_UPDATES": "3"}, "--warmup-init-lr", "1e-7")
     tiny = [*BASE[2:], *QUIET, "--max-tokens", "300", "--head-vocab", "0", "--warmup-updates", "1"]
     log = finish(subprocess.Popen([recipe, *tiny, "--max-update", "2"], env={**env, "FULL_UPDATES": "3"},
                                   text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
