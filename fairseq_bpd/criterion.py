@@ -13,6 +13,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     label_smoothed_nll_loss,
 )
 
+from .smoothed_loss import smoothed_nll
 from .targets import shift_target
 
 logger = logging.getLogger(__name__)
@@ -197,14 +198,13 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         keep[..., [i for i in range(k) if i not in heads]] = False
         # One selection for all heads (its backward fills one zero tensor, not one per head).
         logits = self.proposal_logits(model, block[keep])  # N x V'
-        lprobs = model.get_normalized_probs((logits, None), log_probs=True)
         target_rows = in_loss[keep]  # N
-        losses, _ = label_smoothed_nll_loss(
-            lprobs, target_rows, self.eps, ignore_index=self.padding_idx, reduce=False
-        )
+        # The log-softmax and label-smoothed loss fused (smoothed_loss.py): a plain decoder's
+        # normalisation, which get_normalized_probs gives in the path above.
+        losses, best = smoothed_nll(logits, target_rows, self.eps, self.padding_idx)  # N, N
         head_of_row = keep.nonzero()[:, 2]  # N, 0-based head
-        loss_h = losses.new_zeros(k).index_add(0, head_of_row, losses.view(-1))  # k
-        hits = best_token(lprobs).eq(target_rows).long()
+        loss_h = losses.new_zeros(k).index_add(0, head_of_row, losses)  # k
+        hits = best.eq(target_rows).long()
         n_correct = hits.new_zeros(k).index_add_(0, head_of_row, hits).tolist()
         ntokens = keep.sum(dim=(0, 1)).tolist()
         for i in range(1, k):  # a head not drawn logs zeros: every log has the same keys

@@ -3,7 +3,7 @@ residual add with its layer norm, and an exact chain's verification (lean.cpp), 
 where torch takes several; products of a few rows by packed float32 or int8 weights
 (few_rows.cpp); the decoder's layers over a block at batch 1 in one call (block_pass.cpp);
 the draft decoder's batch-1 step and chain in one call (draft_step.cpp); and head training's
-dropout (dropout.cpp).
+dropout (dropout.cpp) and label-smoothed loss (smoothed_loss.cpp).
 
 Built with torch's C++ extension tools on first use (scripts/setup.sh builds it once, so
 that decoding never waits for a compiler) into torch's extension cache, for this machine's
@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 VARIABLE = "FAIRSEQ_BPD_KERNELS"
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("lean.cpp", "few_rows.cpp", "draft_step.cpp", "block_pass.cpp", "dropout.cpp")]
+SOURCES = [os.path.join(CSRC, name) for name in ("lean.cpp", "few_rows.cpp", "draft_step.cpp", "block_pass.cpp",
+                                                  "dropout.cpp", "smoothed_loss.cpp")]
 HEADERS = [os.path.join(CSRC, "lean.h")]
 DTYPES = (torch.float32, torch.float64)
 

@@ -287,6 +287,12 @@ at::Tensor float_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // dropout.cpp
 at::Tensor hash_dropout(const at::Tensor& x, double p, int64_t seed);
 
+// smoothed_loss.cpp
+std::vector<at::Tensor> smoothed_nll_forward(const at::Tensor& logits, const at::Tensor& target, double eps,
+                                             int64_t ignore_index);
+at::Tensor smoothed_nll_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& target,
+                                 const at::Tensor& lse, double eps, int64_t ignore_index);
+
 // draft_step.cpp, block_pass.cpp
 void bind_draft_layer(pybind11::module& m);
 void bind_block_pass(pybind11::module& m);
@@ -303,6 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("outputs"), py::arg("bias") = py::none(), py::arg("add") = py::none(),
         py::arg("relu") = false, py::arg("out") = py::none());
   m.def("hash_dropout", &hash_dropout, "dropout whose mask hashes each element's index with a seed");
+  m.def("smoothed_nll_forward", &smoothed_nll_forward, "label-smoothed nll of logit rows: loss, lse, best token");
+  m.def("smoothed_nll_backward", &smoothed_nll_backward, "the logits' gradient of smoothed_nll_forward's loss");
   bind_draft_layer(m);
   bind_block_pass(m);
 }
