@@ -14,10 +14,11 @@
 # a proposal lexicon (scripts/proposal_lexicon.py) lets it propose past its shortlist. Its
 # checkpoints decode over the whole dictionary: pack with --head-vocab 2000
 # (scripts/pack_checkpoint.py), or decode with --blockwise-proposal-vocab 2000, for the
-# shortlist and the lexicon. FULL_UPDATES=N anneals that step: its learning rate falls
-# linearly to zero over N updates, where it stops (FULL_HOURS still caps it); a draft gains
-# a little from ending at rate zero (docs/draft.md). The flags given go to both steps,
-# before the second's own.
+# shortlist and the lexicon. FULL_UPDATES=N anneals that step (fairseq's polynomial_decay):
+# its learning rate warms up as before (train_heads.sh's 100 updates), then falls linearly to
+# zero at update N, where it stops (FULL_HOURS still caps it); a draft gains a little from
+# ending at rate zero (docs/draft.md). A resumed second step keeps that schedule only when
+# given the same FULL_UPDATES. The flags given go to both steps, before the second's own.
 # The frozen base's features are computed once, before training, into FEATURES
 # (scripts/store_features.py: about 3.6 GB for the 57,000 self-distilled pairs), and every
 # update reads them instead of running the base (--stored-features); the draft's own
@@ -36,6 +37,13 @@ positive "$FULL_HOURS" || awk -v h="$FULL_HOURS" 'BEGIN { exit !(h ~ /^0*\.?0*$/
   || { echo "error: FULL_HOURS must be 0 (no second step) or a positive number of hours, not '$FULL_HOURS'" >&2; exit 2; }
 [[ -z "$FULL_UPDATES" || "$FULL_UPDATES" =~ ^[1-9][0-9]*$ ]] \
   || { echo "error: FULL_UPDATES must be a positive number of updates, not '$FULL_UPDATES'" >&2; exit 2; }
+if [ -n "$FULL_UPDATES" ]; then
+  positive "$FULL_HOURS" || { echo "error: FULL_UPDATES anneals the second step, and FULL_HOURS=$FULL_HOURS runs none" >&2; exit 2; }
+  # The first step's inverse_sqrt takes it and polynomial_decay does not: refused before the first step trains.
+  for arg in "$@"; do case "$arg" in --warmup-init-lr|--warmup-init-lr=*)
+    echo "error: $arg does not combine with FULL_UPDATES (the second step's polynomial_decay has none)" >&2; exit 2 ;;
+  esac; done
+fi
 [ -f "$DATA/train.de-en.en.bin" ] || { echo "error: no self-distilled pairs in $DATA: scripts/recipe_chained.sh makes them" >&2; exit 1; }
 # bfloat16 head projections only where the machine computes them natively: elsewhere torch
 # falls back to a reference matrix product many times slower than float32.
