@@ -86,13 +86,26 @@ def test_ties_take_the_first_maximum_and_extremes_stay_finite():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_nan_logit_gives_a_nan_loss_as_fairseqs():
-    logits, target = rows(3, 16, torch.float32)
-    logits[1, 4] = float("nan")
-    got, _, _ = fused(logits, target, 0.1)
-    want, _, _ = reference(logits, target, 0.1)
-    assert torch.isnan(got[1]) and torch.isnan(want[1])
-    assert torch.isfinite(got[[0, 2]]).all()
+@pytest.mark.parametrize("v", [16, 37])
+def test_non_finite_logits_give_what_fairseq_gives(v):
+    """A NaN or +inf makes the row's log-probs NaN (loss and gradient NaN, best token 0, as
+    max over NaNs); a -inf is a token of probability 0: an infinite smoothing term, a finite
+    gradient."""
+    logits, target = rows(4, v, torch.float32)
+    target[:] = torch.tensor([1, 2, 3, 4])
+    logits[1, 10] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3, 5] = float("-inf")
+    got, got_best, got_x = fused(logits, target, 0.1)
+    want, want_best, want_x = reference(logits, target, 0.1)
+    assert torch.isnan(got[1:3]).all() and torch.isnan(want[1:3]).all()
+    assert got[3] == want[3] == float("inf") and torch.isfinite(got[0])
+    assert torch.equal(got_best, want_best)
+    weights = torch.tensor([1.0, 0.5, 0.5, 2.0])
+    (got_grad,) = torch.autograd.grad(got, got_x, weights)
+    (want_grad,) = torch.autograd.grad(want, want_x, weights)
+    assert torch.isfinite(got_grad[[0, 3]]).all() and got_grad[3].abs().sum() > 0
+    torch.testing.assert_close(got_grad[[0, 3]], want_grad[[0, 3]], rtol=1e-5, atol=1e-7)
 
 
 def test_what_the_kernel_does_not_take_runs_torchs_operations():

@@ -134,18 +134,20 @@ void softmax_less(const S* x, S* grad, int64_t v, float g, float l, float shift)
 #endif
 
 // One row's loss, log-sum-exp and best token (the first of tied maxima, as max's index).
-// A row with a NaN or an infinity has a NaN loss and log-sum-exp (its gradient NaN), as
-// through torch's log-softmax.
+// A row with a NaN, a +inf or nothing above -inf has log-probs all NaN under torch's
+// log-softmax: its loss and gradient are NaN here too, its best token 0 (max's over NaNs).
+// A -inf logit alone is a token of probability 0, as there (the smoothing term infinite).
 template <typename S>
 void forward_row(const S* x, int64_t v, int64_t target, bool ignored, Smoothing w, float* loss, float* lse,
                  int64_t* best) {
   const RowTop r = row_top(x, v);
-  *best = r.first < v ? r.first : 0;
-  if (!std::isfinite(r.total)) {
+  if (std::isnan(r.total) || std::isinf(r.top)) {
+    *best = 0;
     *lse = std::numeric_limits<float>::quiet_NaN();
     *loss = ignored ? 0.0f : *lse;
     return;
   }
+  *best = r.first;
   const float l = r.top + std::log(sum_exp(x, v, r.top));
   *lse = l;
   const float nll = l - as_float(x[target]);
