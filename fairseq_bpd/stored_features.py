@@ -154,6 +154,26 @@ def rows_problem(directory, subset, meta, source_tokens, target_tokens):
     return None
 
 
+# Task options under which fairseq's batches are not the sentences as the data holds them
+# (their tokens, or the lengths it reports), each with its value that leaves them so:
+# training refuses the others, and store_features.py stores with these.
+SENTENCES_AS_HELD = {"truncate_source": False, "num_batch_buckets": 0}
+
+
+def data_directory(task_cfg):
+    """The one data directory a --stored-features training reads (task_cfg.data), its task
+    options leaving the sentences as stored."""
+    paths = utils.split_paths(task_cfg.data)  # the path fairseq's load_dataset read
+    if len(paths) > 1:  # one directory of features stores one directory's data
+        raise BlockwiseRequestError(f"--stored-features reads the features of one data directory; "
+                                    f"DATA names {len(paths)} ({task_cfg.data})")
+    for name, held in SENTENCES_AS_HELD.items():
+        if getattr(task_cfg, name) != held:
+            raise BlockwiseRequestError(f"--stored-features cannot be used with --{name.replace('_', '-')}: the "
+                                        f"stored features are of the sentences as the data holds them")
+    return paths[0]
+
+
 def refuse_unfrozen(model_cfg):
     if not getattr(model_cfg, "freeze_base", False):
         raise BlockwiseRequestError("--stored-features needs --freeze-base: the stored features are the "

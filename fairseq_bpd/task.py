@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from fairseq import utils
 from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -15,7 +14,7 @@ from .errors import BlockwiseRequestError
 from .generator import BlockwiseStats
 from .options import BlockwiseDecodingConfig, BlockwiseOptions
 from .refusals import refuse_generation, refuse_task_options_in_generation
-from .stored_features import StoredFeatures, StoredFeaturesConfig, refuse_unfrozen
+from .stored_features import StoredFeatures, StoredFeaturesConfig, data_directory, refuse_unfrozen
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +85,7 @@ class TranslationBlockwiseTask(TranslationTask):
     def load_dataset(self, split, epoch=1, combine=False, **kwargs):
         super().load_dataset(split, epoch, combine, **kwargs)
         if self.cfg.stored_features:
-            paths = utils.split_paths(self.cfg.data)  # the path fairseq's load_dataset read
-            if len(paths) > 1:  # one directory of features stores one directory's data
-                raise BlockwiseRequestError(f"--stored-features reads the features of one data directory; "
-                                            f"DATA names {len(paths)} ({self.cfg.data})")
-            # Both change the sentences fairseq batches (their tokens, or the lengths it reports).
-            flags = {"--truncate-source": self.cfg.truncate_source, "--num-batch-buckets": self.cfg.num_batch_buckets}
-            for flag, on in flags.items():
-                if on:
-                    raise BlockwiseRequestError(f"--stored-features cannot be used with {flag}: the stored features "
-                                                f"are of the sentences as the data holds them")
-            path = paths[0]
+            path = data_directory(self.cfg)
             langs = (self.cfg.source_lang, self.cfg.target_lang)
             self.datasets[split] = self.stored_features().wrap(split, self.datasets[split], path, langs, combine)
 

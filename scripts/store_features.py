@@ -24,7 +24,8 @@ from fairseq import utils
 
 from fairseq_bpd.bench import load, pick_device
 from fairseq_bpd.errors import BlockwiseRequestError
-from fairseq_bpd.stored_features import META, data_files, rows_problem, sha256, store_subset, widths
+from fairseq_bpd.stored_features import (META, SENTENCES_AS_HELD, data_files, rows_problem, sha256, store_subset,
+                                         widths)
 
 
 def main():
@@ -41,9 +42,9 @@ def main():
     if not os.path.isfile(args.checkpoint):
         raise SystemExit(f"error: checkpoint not found: {args.checkpoint}")
     digest = sha256(args.checkpoint)
-    # The sentences as the data holds them, as training with --stored-features reads them
-    # (it refuses both flags), whatever the base was trained with.
-    model, task, _ = load(args.checkpoint, args.data, {"truncate_source": False, "num_batch_buckets": 0})
+    # The sentences as the data holds them, as training with --stored-features reads them,
+    # whatever the base was trained with.
+    model, task, _ = load(args.checkpoint, args.data, SENTENCES_AS_HELD)
     model = model.float().to(pick_device(args.cpu)).eval()
     os.makedirs(args.out, exist_ok=True)
     meta_path = os.path.join(args.out, META)

@@ -52,9 +52,7 @@ void keep_scaled(const T* x, T* out, int64_t first, int64_t end, uint32_t low, u
   }
 }
 
-// bfloat16 by its bits, which the compiler vectorises (c10's conversions it did not): the
-// value is the float with these 16 bits on top; the product is rounded to nearest, ties to
-// even, as c10 rounds, and a NaN stays a NaN.
+// bfloat16 by its bits (lean::bf16_to_float, lean::float_to_bf16), which the compiler vectorises.
 template <>
 void keep_scaled<at::BFloat16>(const at::BFloat16* x, at::BFloat16* out, int64_t first, int64_t end, uint32_t low,
                                uint32_t high, uint32_t dropped, double scale) {
@@ -67,10 +65,8 @@ void keep_scaled<at::BFloat16>(const at::BFloat16* x, at::BFloat16* out, int64_t
     hash_chunk(hash, static_cast<uint32_t>(start), low, high);
 #pragma omp simd
     for (int j = 0; j < n; ++j) {
-      const float y = __builtin_bit_cast(float, uint32_t(in[start + j]) << 16) * (hash[j] >= dropped ? kept_scale : 0.0f);
-      const uint32_t bits = __builtin_bit_cast(uint32_t, y);
-      const uint32_t rounded = (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16;
-      result[start + j] = static_cast<uint16_t>(y != y ? 0x7fc0U : rounded);
+      const float kept = hash[j] >= dropped ? kept_scale : 0.0f;
+      result[start + j] = lean::float_to_bf16(lean::bf16_to_float(in[start + j]) * kept);
     }
   }
 }

@@ -17,21 +17,37 @@
 
 namespace lean {
 
-// e^x for float32 in a form the compiler vectorises (std::exp is a call per value): Cephes'
-// expf (range reduction by ln 2, a degree-6 polynomial; within 2 ulp of the true value), for
+// Cephes' expf: x = n ln 2 + r (ln 2 in two parts, the second added back), e^r a degree-6
+// polynomial, 2^n by the exponent's bits; within 2 ulp of the true value.
+namespace cephes_exp {
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+}  // namespace cephes_exp
+
+// e^x for float32 in a form the compiler vectorises (std::exp is a call per value), for
 // x <= 0 (attention's scores less their maximum). Below -87 it gives ~1e-38, not 0: against
 // a sum of at least 1 that changes nothing.
 inline float exp_nonpositive(float x) {
+  using namespace cephes_exp;
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  x = x - n * 0.693359375f;
-  x = x + n * 2.12194440e-4f;
-  const float y = (((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x +
-                    1.6666665459e-1f) * x + 5.0000001201e-1f) * (x * x) + x + 1.0f;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  x = x - n * kLn2High;
+  x = x + n * kLn2Low;
+  const float y = (((((kP0 * x + kP1) * x + kP2) * x + kP3) * x + kP4) * x + kP5) * (x * x) + x + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   return y * __builtin_bit_cast(float, bits);
 }
 inline double exp_nonpositive(double x) { return std::exp(x); }  // float64: the tests' dtype
+
+// bfloat16 by its bits, in forms the compiler vectorises (c10's conversions it did not): the
+// value is the float with these 16 bits on top; a float is rounded to nearest, ties to even,
+// as c10 rounds, and a NaN stays a NaN.
+inline float bf16_to_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
+inline uint16_t float_to_bf16(float y) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, y);
+  return static_cast<uint16_t>(y != y ? 0x7fc0U : (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16);
+}
 
 template <typename T>
 void norm_row(const T* x, T* out, const T* weight, const T* bias, int64_t c, double eps) {

@@ -13,14 +13,10 @@
 namespace {
 
 inline float as_float(float x) { return x; }
-inline float as_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }  // bfloat16
+inline float as_float(uint16_t bits) { return lean::bf16_to_float(bits); }  // bfloat16
 
 inline void store(float* out, float y) { *out = y; }
-// Rounded to nearest, ties to even, as c10 rounds; a NaN stays a NaN.
-inline void store(uint16_t* out, float y) {
-  const uint32_t bits = __builtin_bit_cast(uint32_t, y);
-  *out = static_cast<uint16_t>(y != y ? 0x7fc0U : (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16);
-}
+inline void store(uint16_t* out, float y) { *out = lean::float_to_bf16(y); }
 
 struct Smoothing {
   float on_target;  // 1 - eps - eps / (V - 1): the nll's weight in fairseq's label smoothing
@@ -50,18 +46,16 @@ inline void store16(uint16_t* out, __m512 y, __mmask16 m) {  // as store() round
   rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   _mm256_mask_storeu_epi16(out, m, _mm512_cvtepi32_epi16(rounded));
 }
-// lean::exp_nonpositive's Cephes expf, sixteen at once (x <= 0).
+// lean::exp_nonpositive, sixteen at once (x <= 0).
 inline __m512 exp16(__m512 x) {
+  using namespace lean::cephes_exp;
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), x);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), x);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kP0), x, _mm512_set1_ps(kP1));
+  for (const float p : {kP2, kP3, kP4, kP5}) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(p));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
